@@ -1,0 +1,46 @@
+# The README's two commands: `make finetune` and `make test`. Both install whatever is
+# missing first (libaio-dev via apt when root, torch 2.13.0, this package editable with
+# its extras) and are safe to run again.
+
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+NVME_DIR ?= ./offload-nvme
+FINETUNE_ARGS ?=
+PYTEST_ARGS ?=
+NATIVE_SOURCES := $(wildcard native/*.c native/*.h) offload/_build_native.py setup.py pyproject.toml
+
+.PHONY: install system-deps torch finetune test bench clean
+
+install: system-deps torch .install-stamp
+
+# libaio is optional (the I/O layer falls back to threads) but wanted: install it when we can.
+system-deps:
+	@if [ ! -f /usr/include/libaio.h ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing libaio-dev (apt)"; \
+	    (apt-get install -y -qq libaio-dev >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null && apt-get install -y -qq libaio-dev >/dev/null)) || \
+	    echo "warning: could not install libaio-dev; building without libaio (thread I/O backend)"; \
+	  else \
+	    echo "note: libaio-dev is absent and we are not root; building without libaio (thread I/O backend)"; \
+	  fi; \
+	fi
+
+# torch first, pinned: an unpinned torch pulls several GB of CUDA wheels.
+torch:
+	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
+	  || $(PIP) install -q "torch==$(TORCH_VERSION)"
+
+.install-stamp: $(NATIVE_SOURCES)
+	$(PIP) install -q -e ".[test]"
+	@touch $@
+
+finetune: install
+	$(PYTHON) scripts/finetune_100b.py --nvme-path $(NVME_DIR) $(FINETUNE_ARGS)
+
+test: install
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf build *.egg-info offload/_native*.so offload/_native.c .install-stamp $(NVME_DIR)

@@ -1,0 +1,71 @@
+"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them up and turns user mistakes
+(``OffloadError``) into a one-line message and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import OffloadError
+
+# name -> (module, one-line help); modules are imported only when their command runs or
+# when --help needs their arguments, so `offload doctor` never pays for torch at parse time.
+COMMANDS = {
+    "doctor": ("offload.doctor", "check this machine: torch, CUDA, SIMD, libaio, O_DIRECT, memory"),
+    "plan": ("offload.planner_cli", "predict memory, disk and step time for a model on this box"),
+}
+BENCH_COMMANDS = {
+    "nvme": ("offload.bench.nvme", "NVMe throughput through the engine (and fio beside it)"),
+    "adam": ("offload.bench.adam", "CPU Adam parameters/s against torch and the memory roofline"),
+    "step": ("offload.bench.step", "an offloaded training step against its lower bound"),
+}
+
+
+def _add(sub, name: str, module: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        parser.set_defaults(_unavailable=f"`{name}` is not available in this build ({exc})")
+        return
+    mod.add_arguments(parser)
+    parser.set_defaults(_run=mod.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        _add(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks: nvme, adam, step", description="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    bench_sub.required = True
+    for name, (module, help_text) in BENCH_COMMANDS.items():
+        _add(bench_sub, name, module, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        print(f"offload: error: {args._unavailable}", file=sys.stderr)
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except OffloadError as exc:
+        print(f"offload: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("offload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

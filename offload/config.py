@@ -1,0 +1,217 @@
+"""The configuration tree: frozen, keyword-only dataclasses checked in ``__post_init__``.
+
+Sizes are bytes (budgets, block sizes) or elements (``chunk_size``); budgets also accept
+strings such as ``"4GiB"`` or ``"512MB"`` and are normalised to ``int`` bytes. Every bad
+value raises ``ConfigError`` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from .errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("bf16", "fp16", "fp32")
+AIO_BACKENDS = ("auto", "libaio", "threads")
+MIN_CHUNK_ELEMENTS = 1024
+DIRECT_IO_ALIGNMENT = 4096
+
+
+def parse_bytes(value: Any, field_name: str = "size") -> int:
+    """Parse a byte count: an int, or a string like ``"4GiB"``, ``"512MB"``, ``"2G"`` (G = GiB)."""
+    if isinstance(value, bool):
+        raise ConfigError(field_name, value, "expected a byte count, not a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(field_name, value, "must be >= 0 bytes")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m and unit in _UNITS:
+            return int(float(m.group(1)) * _UNITS[unit])
+        raise ConfigError(field_name, value,
+                          "expected a byte count such as 4294967296, '4GiB', '512MB' or '2G'")
+    raise ConfigError(field_name, value, "expected a byte count (int) or a string such as '4GiB'")
+
+
+def _budget(value: Any, field_name: str) -> Union[int, str]:
+    if value == "auto":
+        return "auto"
+    n = parse_bytes(value, field_name)
+    if n == 0:
+        raise ConfigError(field_name, value, "a budget must be > 0 bytes (or 'auto')")
+    return n
+
+
+def _int_in(value: Any, field_name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(field_name, value, "expected an integer")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(field_name, value, f"must be {bound}")
+    return value
+
+
+def _choice(value: Any, field_name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(field_name, value, f"must be one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """How NVMe traffic is issued (see ``offload bench nvme --sweep`` for good values)."""
+
+    backend: str = "auto"
+    """"libaio" (O_DIRECT, kernel AIO), "threads" (a pread/pwrite pool), or "auto" (libaio where it works)."""
+    block_size: int = 1 << 20
+    """Bytes per request; a multiple of 4096 (O_DIRECT)."""
+    queue_depth: int = 32
+    """Requests in flight per context."""
+    threads: int = 1
+    """Submitting threads (libaio: one context each) or pool workers (threads backend)."""
+    checksum: bool = False
+    """Store a CRC32C per block and verify it on every read."""
+
+    def __post_init__(self) -> None:
+        _choice(self.backend, "aio.backend", AIO_BACKENDS)
+        size = parse_bytes(self.block_size, "aio.block_size")
+        if size < DIRECT_IO_ALIGNMENT or size % DIRECT_IO_ALIGNMENT:
+            raise ConfigError("aio.block_size", self.block_size,
+                              f"must be a positive multiple of {DIRECT_IO_ALIGNMENT} bytes (O_DIRECT)")
+        if size > 1 << 30:
+            raise ConfigError("aio.block_size", self.block_size, "must be at most 1 GiB")
+        _set(self, "block_size", size)
+        _int_in(self.queue_depth, "aio.queue_depth", 1, 65536)
+        _int_in(self.threads, "aio.threads", 1, 256)
+        if not isinstance(self.checksum, bool):
+            raise ConfigError("aio.checksum", self.checksum, "expected true or false")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    """Where model and optimizer state live and how it moves between the tiers."""
+
+    device: str = "auto"
+    """Compute device: "cuda", "cpu", or "auto" (cuda when available)."""
+    dtype: str = "bf16"
+    """Compute precision of parameters and gradients: "bf16", "fp16" (loss scaling) or "fp32"."""
+    device_budget: Union[int, str] = "auto"
+    """Bytes of chunk storage on the compute device, or "auto" (measured at start)."""
+    cpu_budget: Union[int, str] = "auto"
+    """Bytes of (pinned) CPU chunk storage, or "auto" (a share of available RAM)."""
+    nvme_paths: tuple[str, ...] | None = None
+    """Directories for the NVMe tier (striped RAID-0 style), or None for no NVMe tier."""
+    chunk_size: Union[int, str] = "auto"
+    """Elements per chunk (a multiple of 2048, so any dtype keeps 4 KiB alignment), or "auto"."""
+    prefetch_depth: int = 2
+    """How many chunks ahead of use the scheduler fetches."""
+    optimizer_threads: Union[int, str] = "auto"
+    """Threads of the CPU Adam, or "auto" (physical cores)."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """NVMe I/O settings."""
+
+    def __post_init__(self) -> None:
+        _choice(self.device, "device", DEVICES)
+        _choice(self.dtype, "dtype", DTYPES)
+        _set(self, "device_budget", _budget(self.device_budget, "device_budget"))
+        _set(self, "cpu_budget", _budget(self.cpu_budget, "cpu_budget"))
+        _set(self, "nvme_paths", _paths(self.nvme_paths))
+        if self.chunk_size != "auto":
+            _int_in(self.chunk_size, "chunk_size", MIN_CHUNK_ELEMENTS)
+            if self.chunk_size % 2048:
+                raise ConfigError("chunk_size", self.chunk_size,
+                                  "must be a multiple of 2048 elements (4 KiB alignment for O_DIRECT "
+                                  "at every dtype), or 'auto'")
+        _int_in(self.prefetch_depth, "prefetch_depth", 0, 1024)
+        if self.optimizer_threads != "auto":
+            _int_in(self.optimizer_threads, "optimizer_threads", 1, 1024)
+        if isinstance(self.aio, dict):
+            _set(self, "aio", _from_mapping(AioConfig, self.aio, "aio."))
+        if not isinstance(self.aio, AioConfig):
+            raise ConfigError("aio", self.aio, "expected an offload.AioConfig or a dict of its fields")
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per compute-precision element."""
+        return 4 if self.dtype == "fp32" else 2
+
+    def replace(self, **changes: Any) -> "OffloadConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["nvme_paths"] = list(self.nvme_paths) if self.nvme_paths is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OffloadConfig":
+        """Build from a plain dict (e.g. parsed JSON); unknown keys are errors, ``aio`` may be a dict."""
+        return _from_mapping(cls, data, "")
+
+    @classmethod
+    def from_json(cls, path: Union[str, Path]) -> "OffloadConfig":
+        """Read a JSON file holding the fields of ``from_dict``."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError("config file", str(path), f"cannot be read: {exc.strerror}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("config file", str(path),
+                              f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+        return cls.from_dict(data)
+
+
+def _paths(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, Path)):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError("nvme_paths", value, "expected a non-empty list of directories, or None")
+    out = []
+    for p in value:
+        if not isinstance(p, (str, Path)) or not str(p):
+            raise ConfigError("nvme_paths", value, f"entry {p!r} is not a path")
+        out.append(str(p))
+    if len(set(out)) != len(out):
+        raise ConfigError("nvme_paths", value, "lists the same directory twice")
+    return tuple(out)
+
+
+def _from_mapping(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", data, "expected a JSON object / dict")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}", data[key], f"unknown field; known: {', '.join(sorted(names))}")
+    kwargs = dict(data)
+    if cls is OffloadConfig and isinstance(kwargs.get("aio"), dict):
+        kwargs["aio"] = _from_mapping(AioConfig, kwargs["aio"], "aio.")
+    return cls(**kwargs)
