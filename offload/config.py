@@ -9,47 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 from .errors import ConfigError
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1000, "kib": 1024,
-    "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1000**3, "gib": 1024**3,
-    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+from .units import parse_bytes
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 MIN_CHUNK_ELEMENTS = 1024
 DIRECT_IO_ALIGNMENT = 4096
-
-
-def parse_bytes(value: Any, field_name: str = "size") -> int:
-    """Parse a byte count: an int, or a string like ``"4GiB"``, ``"512MB"``, ``"2G"`` (G = GiB)."""
-    if isinstance(value, bool):
-        raise ConfigError(field_name, value, "expected a byte count, not a bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(field_name, value, "must be >= 0 bytes")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if m and unit in _UNITS:
-            return int(float(m.group(1)) * _UNITS[unit])
-        raise ConfigError(field_name, value,
-                          "expected a byte count such as 4294967296, '4GiB', '512MB' or '2G'")
-    raise ConfigError(field_name, value, "expected a byte count (int) or a string such as '4GiB'")
 
 
 def _budget(value: Any, field_name: str) -> Union[int, str]:

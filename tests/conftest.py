@@ -1,0 +1,34 @@
+"""Shared fixtures: a temp directory on a real (disk-backed) filesystem, and the GPU skip."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def disk_tmp():
+    """A temp dir under the repo (a real disk, where O_DIRECT works), removed afterwards."""
+    base = ROOT / ".pytest-tmp"
+    base.mkdir(exist_ok=True)
+    path = Path(tempfile.mkdtemp(dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
