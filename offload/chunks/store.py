@@ -1,0 +1,399 @@
+"""The chunk store: every chunk of every kind, where its bytes live, and the moves between tiers.
+
+Tiers are ordered from the compute device down to NVMe. A chunk may have a current copy on
+several tiers at once (a parameter chunk fetched to the device keeps its clean copy below, so
+evicting it costs nothing); a write on one tier invalidates the others. A chunk's last current
+copy is never dropped: evicting it writes it one tier down first. Budgets are enforced by the
+tiers; when one is full the store evicts by the policy, never a chunk that is pinned (COMPUTE)
+or mid-move, and raises ``TierFullError`` naming the holders when nothing can go.
+
+Every public method takes the store's lock for its whole run, waits on I/O included: one lock,
+no lock-order puzzles. Prefetches are asynchronous (they return ``Move`` handles).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from ..errors import ConfigError, StateError, TierFullError
+from ..scheduler.eviction import EvictionPolicy, LRUPolicy
+from ..tiers.memory import MemoryTier
+from ..tiers.moves import Move, copy_between
+from ..tiers.nvme import NvmeSlot, NvmeTier
+from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
+
+ChunkKey = tuple[str, int]   # (kind, index)
+
+
+@dataclass(eq=False)
+class ChunkRecord:
+    key: ChunkKey
+    numel: int
+    dtype: torch.dtype
+    nbytes: int
+    state: ChunkState = ChunkState.FREE
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)     # memory tiers with a current copy
+    incoming: dict[str, tuple[torch.Tensor | None, Move]] = field(default_factory=dict)
+    slot: NvmeSlot | None = None
+    nvme_valid: bool = False
+    pins: Counter = field(default_factory=Counter)
+    version: int = 0        # bumped by every write; a move started on an older version is discarded
+
+    @property
+    def valid(self) -> set[str]:
+        return set(self.buffers) | ({"nvme"} if self.nvme_valid else set())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.incoming)
+
+
+class ChunkStore:
+    """Chunks of several kinds over an ordered list of tiers (top = compute device)."""
+
+    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None):
+        if not tiers:
+            raise ConfigError("tiers", tiers, "at least one tier is needed")
+        self.tiers = {t.name: t for t in tiers}
+        self.order = [t.name for t in tiers]
+        if "nvme" in self.tiers and self.order[-1] != "nvme":
+            raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
+        self.policy = policy or LRUPolicy()
+        self.lock = threading.RLock()
+        self.records: dict[ChunkKey, ChunkRecord] = {}
+        self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
+
+    # ---- registration ---------------------------------------------------
+    def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
+        """Add ``count`` chunks of ``numel`` elements of ``dtype`` under ``kind``; reserves NVMe slots."""
+        with self.lock:
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            keys = [(kind, i) for i in range(count)]
+            if any(k in self.records for k in keys):
+                raise ConfigError("kind", kind, "is already registered")
+            slots: list[NvmeSlot | None] = [None] * count
+            if "nvme" in self.tiers and count:
+                slots = self.tiers["nvme"].reserve_group(kind, count, nbytes)
+            for key, slot in zip(keys, slots):
+                self.records[key] = ChunkRecord(key, numel, dtype, nbytes, slot=slot)
+            return keys
+
+    def _rec(self, key: ChunkKey) -> ChunkRecord:
+        try:
+            return self.records[key]
+        except KeyError:
+            raise ConfigError("chunk", key, "is not registered") from None
+
+    def _set_state(self, rec: ChunkRecord, new: ChunkState) -> None:
+        rec.state = check_transition(CHUNK_TRANSITIONS, rec.state, new, f"chunk {rec.key}")
+
+    # ---- life cycle -------------------------------------------------------
+    def initialize(self, key: ChunkKey, tier: str, fill: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Give a FREE chunk storage on a memory ``tier``: zeros, or whatever ``fill(view)`` writes."""
+        with self.lock:
+            rec = self._rec(key)
+            if rec.state is not ChunkState.FREE:
+                raise StateError(f"chunk {key} is already initialized ({rec.state.name})")
+            self._memory_tier(tier)
+            buf = self._allocate(tier, rec)
+            view = self._typed(buf, rec)
+            if fill is None:
+                view.zero_()
+            else:
+                fill(view)
+            rec.buffers[tier] = buf
+            rec.version += 1
+            self._set_state(rec, ChunkState.HOLD)
+
+    def release_storage(self, key: ChunkKey) -> None:
+        """Drop every copy (HOLD -> FREE); the NVMe slot stays reserved."""
+        with self.lock:
+            rec = self._rec(key)
+            self._settle(rec)
+            self._set_state(rec, ChunkState.FREE)
+            for tier, buf in list(rec.buffers.items()):
+                self.tiers[tier].free(buf)
+            rec.buffers.clear()
+            rec.nvme_valid = False
+
+    # ---- access -----------------------------------------------------------
+    def fetch(self, key: ChunkKey, tier: str) -> Move | None:
+        """Start the next hop that brings ``key`` towards ``tier``; None when it is already there.
+
+        Asynchronous: call again after the returned move finishes to take the next hop.
+        """
+        with self.lock:
+            rec = self._rec(key)
+            if rec.state is ChunkState.FREE:
+                raise StateError(f"chunk {key} holds no data yet; initialize it first")
+            if tier in rec.valid:
+                return None
+            if tier in rec.incoming:
+                return rec.incoming[tier][1]
+            src, dst = self._next_hop(rec, tier)
+            if dst in rec.incoming:
+                return rec.incoming[dst][1]
+            return self._start_move(rec, src, dst)
+
+    def ensure(self, key: ChunkKey, tier: str) -> None:
+        """Bring a current copy of ``key`` onto ``tier`` and wait for it."""
+        with self.lock:
+            while True:
+                move = self.fetch(key, tier)
+                if move is None:
+                    return
+                move.wait()
+
+    def access(self, key: ChunkKey, tier: str) -> torch.Tensor:
+        """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``."""
+        with self.lock:
+            self._memory_tier(tier)
+            rec = self._rec(key)
+            self.ensure(key, tier)
+            rec.pins[tier] += 1
+            if rec.state is ChunkState.HOLD:
+                self._set_state(rec, ChunkState.COMPUTE)
+            self.policy.on_access(key)
+            return self._typed(rec.buffers[tier], rec)
+
+    def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
+        """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
+        with self.lock:
+            rec = self._rec(key)
+            if rec.pins[tier] <= 0:
+                raise StateError(f"chunk {key} is not pinned on {tier!r}")
+            if dirty:
+                self._modified(rec, tier)
+            rec.pins[tier] -= 1
+            if not +rec.pins:
+                rec.pins.clear()
+                self._set_state(rec, ChunkState.HOLD)
+
+    def mark_dirty(self, key: ChunkKey, tier: str) -> None:
+        """The copy on ``tier`` (pinned by the caller) was written: every other copy is stale."""
+        with self.lock:
+            rec = self._rec(key)
+            if rec.pins[tier] <= 0:
+                raise StateError(f"chunk {key} must be pinned on {tier!r} to be written")
+            self._modified(rec, tier)
+
+    def view(self, key: ChunkKey, tier: str) -> torch.Tensor | None:
+        """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
+        with self.lock:
+            rec = self._rec(key)
+            buf = rec.buffers.get(tier)
+            return None if buf is None else self._typed(buf, rec)
+
+    def evict(self, key: ChunkKey, tier: str) -> None:
+        """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
+        with self.lock:
+            rec = self._rec(key)
+            if tier == "nvme":
+                raise StateError("the NVMe tier is the bottom: chunks are evicted *to* it, not from it")
+            self._settle(rec)
+            if tier not in rec.buffers:
+                return
+            if rec.pins[tier]:
+                raise StateError(f"chunk {key} is in COMPUTE on {tier!r} and cannot be evicted")
+            if rec.valid == {tier} and tier == self.order[-1]:
+                raise StateError(f"chunk {key}: {tier!r} holds its only copy and there is no tier below "
+                                 "to write it to (set nvme_paths)")
+            self._evict(rec, tier)
+
+    def read(self, key: ChunkKey) -> torch.Tensor:
+        """A CPU copy of the chunk's current contents, from whichever tier holds them (no state change)."""
+        with self.lock:
+            rec = self._rec(key)
+            self._settle(rec)
+            if rec.state is ChunkState.FREE:
+                raise StateError(f"chunk {key} holds no data")
+            for tier in self.order:
+                if tier in rec.buffers:
+                    return self._typed(rec.buffers[tier], rec).to("cpu", copy=True)
+            from ..aio import aligned_empty
+
+            tmp = aligned_empty(rec.slot.nbytes, torch.uint8)
+            self.tiers["nvme"].read(rec.slot, tmp).wait()
+            self.moved[("nvme", "host")] += rec.nbytes
+            return self._typed(tmp, rec).clone()
+
+    def write(self, key: ChunkKey, data: torch.Tensor) -> None:
+        """Overwrite a chunk's contents from a tensor (``numel`` elements) wherever it is best held."""
+        with self.lock:
+            rec = self._rec(key)
+            tier = self._write_tier(rec)
+            if rec.state is ChunkState.FREE:
+                self.initialize(key, tier, lambda v: v.copy_(data.reshape(-1)))
+                return
+            view = self.access(key, tier)
+            try:
+                view.copy_(data.reshape(-1))
+            finally:
+                self.release(key, tier, dirty=True)
+
+    def _write_tier(self, rec: ChunkRecord) -> str:
+        for tier in self.order:
+            if tier in rec.buffers:
+                return tier
+        return self._lowest_memory_tier()
+
+    # ---- accounting -------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Bytes per tier and kind, chunk counts, budget use, and bytes moved per direction."""
+        with self.lock:
+            tiers: dict[str, dict] = {}
+            for name, tier in self.tiers.items():
+                info = tier.describe()
+                by_kind: Counter = Counter()
+                counts: Counter = Counter()
+                for rec in self.records.values():
+                    if name in rec.valid:
+                        by_kind[rec.key[0]] += rec.nbytes
+                        counts[rec.key[0]] += 1
+                info["bytes_by_kind"] = dict(by_kind)
+                info["chunks_by_kind"] = dict(counts)
+                info["use"] = info["reserved"] / info["budget"] if info["budget"] else 0.0
+                tiers[name] = info
+            states = Counter(rec.state.name for rec in self.records.values())
+            return {
+                "tiers": tiers,
+                "chunks": len(self.records),
+                "chunk_states": dict(states),
+                "moved_bytes": {f"{s}->{d}": n for (s, d), n in sorted(self.moved.items())},
+            }
+
+    def reset_counters(self) -> None:
+        with self.lock:
+            self.moved.clear()
+
+    def moved_bytes(self) -> int:
+        with self.lock:
+            return sum(self.moved.values())
+
+    # ---- internals --------------------------------------------------------
+    def _memory_tier(self, tier: str) -> MemoryTier:
+        t = self.tiers.get(tier)
+        if not isinstance(t, MemoryTier):
+            raise ConfigError("tier", tier, f"must be one of the memory tiers {self._memory_names()}")
+        return t
+
+    def _memory_names(self) -> list[str]:
+        return [n for n in self.order if isinstance(self.tiers[n], MemoryTier)]
+
+    def _lowest_memory_tier(self) -> str:
+        return self._memory_names()[-1]
+
+    @staticmethod
+    def _typed(buf: torch.Tensor, rec: ChunkRecord) -> torch.Tensor:
+        return buf[: rec.nbytes].view(rec.dtype)[: rec.numel]
+
+    def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
+        self._make_room(tier, rec.nbytes, rec.key)
+        return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
+
+    def _next_hop(self, rec: ChunkRecord, target: str) -> tuple[str, str]:
+        ti = self.order.index(target)
+        src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
+        si = self.order.index(src)
+        return src, self.order[si - 1 if si > ti else si + 1]
+
+    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
+        version = rec.version
+        if dst == "nvme":
+            buf = None
+            move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
+        else:
+            buf = self._allocate(dst, rec)
+            if src == "nvme":
+                move = self.tiers["nvme"].read(rec.slot, buf, dst)
+            else:
+                move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
+
+        def done() -> None:
+            rec.incoming.pop(dst, None)
+            self.moved[(src, dst)] += rec.nbytes
+            if rec.version != version:       # written meanwhile: this copy is stale
+                if buf is not None:
+                    self.tiers[dst].free(buf)
+                return
+            if dst == "nvme":
+                rec.nvme_valid = True
+            else:
+                rec.buffers[dst] = buf
+
+        def failed() -> None:
+            rec.incoming.pop(dst, None)
+            if buf is not None:
+                self.tiers[dst].free(buf)
+
+        move.on_done, move.on_fail = done, failed
+        rec.incoming[dst] = (buf, move)
+        if move.finished or move._wait is None:   # a synchronous copy: settle it now
+            move.wait()
+        return move
+
+    def _settle(self, rec: ChunkRecord) -> None:
+        """Wait for every move into or out of ``rec`` to finish."""
+        while rec.incoming:
+            _, move = next(iter(rec.incoming.values()))
+            move.wait()
+
+    def _modified(self, rec: ChunkRecord, tier: str) -> None:
+        rec.version += 1
+        for other, buf in list(rec.buffers.items()):
+            if other != tier:
+                if rec.pins[other]:
+                    raise StateError(f"chunk {rec.key} was written on {tier!r} while pinned on {other!r}")
+                self.tiers[other].free(buf)
+                del rec.buffers[other]
+        rec.nvme_valid = False
+
+    def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
+        if rec.key == exclude or tier not in rec.buffers or rec.pins[tier] or rec.busy:
+            return False
+        # The last current copy may only leave if there is a tier below to write it to.
+        return len(rec.valid) > 1 or self.order.index(tier) < len(self.order) - 1
+
+    def _make_room(self, tier: str, nbytes: int, exclude: Hashable) -> None:
+        t = self.tiers[tier]
+        while not t.can_allocate(nbytes):
+            # Moves into this tier hold buffers; once they land, those chunks can be evicted.
+            landing = [m for r in self.records.values() for d, (_, m) in r.incoming.items() if d == tier]
+            candidates = [r.key for r in self.records.values() if self._evictable(r, tier, exclude)]
+            if not candidates and landing:
+                landing[0].wait()
+                continue
+            if not candidates:
+                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+            need = nbytes - t.free_bytes
+            for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
+                self._evict(self.records[key], tier)
+                if t.can_allocate(nbytes):
+                    break
+
+    def _evict(self, rec: ChunkRecord, tier: str) -> None:
+        if rec.valid == {tier}:
+            below = self.order[self.order.index(tier) + 1]
+            self._start_move(rec, tier, below).wait()
+        buf = rec.buffers.pop(tier)
+        self.tiers[tier].free(buf)
+
+    def _holders(self, tier: str) -> str:
+        pinned = [r for r in self.records.values() if r.pins.get(tier)]
+        moving = [r for r in self.records.values() if tier in r.incoming]
+        parts = []
+        if pinned:
+            parts.append(f"{len(pinned)} chunks in COMPUTE ({', '.join(f'{k}{i}' for (k, i) in (r.key for r in pinned[:6]))}"
+                         f"{', ...' if len(pinned) > 6 else ''})")
+        if moving:
+            parts.append(f"{len(moving)} chunks mid-move")
+        held = sum(r.nbytes for r in self.records.values() if tier in r.buffers)
+        parts.append(f"{held} bytes of chunk copies")
+        if tier == self._lowest_memory_tier() and "nvme" not in self.tiers:
+            parts.append("no NVMe tier to spill to (set nvme_paths)")
+        return "; ".join(parts)

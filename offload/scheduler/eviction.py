@@ -1,0 +1,89 @@
+"""Eviction policies: which chunks leave a tier when it needs room.
+
+A policy sees only keys, sizes and a logical clock; the store tells it about accesses and asks
+it to pick victims among the chunks that may leave (never one in COMPUTE or mid-move).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Iterable
+
+from ..errors import ConfigError
+from .trace import AccessTrace
+
+
+class EvictionPolicy:
+    """Base: remembers the last use of each key on a logical clock."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.clock = 0
+        self.last_use: dict[Hashable, int] = {}
+
+    def on_access(self, key: Hashable) -> None:
+        self.last_use[key] = self.clock
+        self.clock += 1
+
+    def rank(self, key: Hashable) -> float:
+        """Higher rank leaves first."""
+        raise NotImplementedError
+
+    def choose(self, candidates: Iterable[Hashable], need: int, size_of: Callable[[Hashable], int]) -> list[Hashable]:
+        """Victims, best first, until their sizes add up to ``need`` bytes (all candidates if they don't)."""
+        ordered = sorted(candidates, key=self.rank, reverse=True)
+        out, freed = [], 0
+        for key in ordered:
+            if freed >= need:
+                break
+            out.append(key)
+            freed += size_of(key)
+        return out
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used leaves first."""
+
+    name = "lru"
+
+    def rank(self, key: Hashable) -> float:
+        return float(self.clock - self.last_use.get(key, -1))
+
+
+class NextUsePolicy(EvictionPolicy):
+    """Belady: the chunk whose next use lies furthest ahead leaves first (needs a trace).
+
+    The clock is the position in the trace; ``on_access`` advances it. Without a trace (or
+    once the iteration runs past it) it behaves as LRU.
+    """
+
+    name = "next_use"
+
+    def __init__(self, trace: AccessTrace | None = None) -> None:
+        super().__init__()
+        self.trace = trace
+        self.position = 0
+
+    def set_trace(self, trace: AccessTrace | None) -> None:
+        self.trace = trace
+        self.position = 0
+
+    def start_iteration(self) -> None:
+        self.position = 0
+
+    def on_access(self, key: Hashable) -> None:
+        super().on_access(key)
+        self.position += 1
+
+    def rank(self, key: Hashable) -> float:
+        if self.trace is None or len(self.trace) == 0:
+            return float(self.clock - self.last_use.get(key, -1))
+        return self.trace.next_use(key, self.position % len(self.trace))
+
+
+def make_policy(name: str, trace: AccessTrace | None = None) -> EvictionPolicy:
+    if name == "lru":
+        return LRUPolicy()
+    if name in ("next_use", "belady"):
+        return NextUsePolicy(trace)
+    raise ConfigError("eviction", name, "must be 'lru' or 'next_use'")

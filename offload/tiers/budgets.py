@@ -1,0 +1,39 @@
+"""Turning ``"auto"`` budgets into bytes, measured once at start."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import OffloadConfig
+
+# Shares of what is free at start. The rest is left to activations, the CUDA context,
+# torch's own allocations and the rest of the system.
+AUTO_DEVICE_SHARE_CUDA = 0.5
+AUTO_DEVICE_SHARE_CPU = 0.25
+AUTO_CPU_SHARE = 0.5
+
+
+def compute_device(config: OffloadConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def resolve_budgets(config: OffloadConfig, device: torch.device) -> tuple[int, int]:
+    """``(device_budget, cpu_budget)`` in bytes."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if config.device_budget != "auto":
+        device_budget = int(config.device_budget)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        device_budget = int(free * AUTO_DEVICE_SHARE_CUDA)
+    else:
+        device_budget = int(available * AUTO_DEVICE_SHARE_CPU)
+    if config.cpu_budget != "auto":
+        cpu_budget = int(config.cpu_budget)
+    else:
+        taken = device_budget if device.type == "cpu" else 0
+        cpu_budget = max(int((available - taken) * AUTO_CPU_SHARE), 1 << 20)
+    return device_budget, cpu_budget

@@ -1,0 +1,94 @@
+"""A memory tier (the compute device, or CPU memory): a budgeted pool of reusable byte buffers.
+
+Buffers are flat ``uint8`` tensors; a chunk views one as its dtype. Freed buffers stay in the
+pool for the next chunk of the same size (freshly touched pages cost ~40x more than reused
+ones on these machines), and are handed back to the system only when a request of another size
+needs their share of the budget. ``reserved`` (pooled + in use) never exceeds ``budget``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from ..errors import TierFullError
+
+
+class MemoryTier:
+    """A byte budget on one device with a size-keyed buffer pool.
+
+    ``aligned`` asks for 4 KiB-aligned (O_DIRECT-able) host buffers; ``pin`` page-locks them
+    for asynchronous CUDA copies.
+    """
+
+    def __init__(self, name: str, budget: int, device: torch.device | str = "cpu", *,
+                 aligned: bool = False, pin: bool = False):
+        self.name = name
+        self.budget = int(budget)
+        self.device = torch.device(device)
+        self.aligned = aligned
+        self.pin = pin
+        self.in_use = 0                     # bytes handed out
+        self._pooled: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._pooled_bytes = 0
+
+    @property
+    def reserved(self) -> int:
+        """Bytes held from the system: in use plus pooled for reuse (always <= budget)."""
+        return self.in_use + self._pooled_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes that can still be handed out (pooled buffers count as free)."""
+        return self.budget - self.in_use
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return self.in_use + nbytes <= self.budget
+
+    def allocate(self, nbytes: int, holders: Callable[[], str] = lambda: "") -> torch.Tensor:
+        """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it."""
+        if not self.can_allocate(nbytes):
+            raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
+        pool = self._pooled[nbytes]
+        if pool:
+            buf = pool.pop()
+            self._pooled_bytes -= nbytes
+        else:
+            self._shrink_pool(self.budget - nbytes - self.in_use)
+            buf = self._new_buffer(nbytes)
+        self.in_use += nbytes
+        return buf
+
+    def free(self, buf: torch.Tensor) -> None:
+        """Return a buffer to the pool (it stays reserved for the next chunk of its size)."""
+        nbytes = buf.numel()
+        self.in_use -= nbytes
+        self._pooled[nbytes].append(buf)
+        self._pooled_bytes += nbytes
+
+    def trim(self) -> int:
+        """Hand every pooled buffer back to the system; returns the bytes released."""
+        released = self._pooled_bytes
+        self._shrink_pool(0)
+        return released
+
+    def _shrink_pool(self, keep: int) -> None:
+        # Release pooled buffers (largest first) until at most ``keep`` pooled bytes remain.
+        for size in sorted(self._pooled, reverse=True):
+            pool = self._pooled[size]
+            while pool and self._pooled_bytes > max(keep, 0):
+                pool.pop()
+                self._pooled_bytes -= size
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu" and (self.aligned or self.pin):
+            from ..aio import aligned_empty
+
+            return aligned_empty(nbytes, torch.uint8, pin=self.pin)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def describe(self) -> dict:
+        return {"budget": self.budget, "in_use": self.in_use, "reserved": self.reserved,
+                "device": str(self.device), "pinned": self.pin}

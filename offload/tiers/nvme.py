@@ -1,0 +1,106 @@
+"""The NVMe tier: one preallocated, striped swap file per kind of chunk, a fixed slot per chunk.
+
+Every chunk that may reach NVMe gets its slot when the layout is registered, so the disk space
+a run needs is checked (and claimed with fallocate) before training starts rather than
+discovered when the disk fills mid-step. Files are written once at set-up and then overwritten
+in place, which these disks do ~1.7x faster than writing fresh blocks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..config import AioConfig
+from ..errors import ConfigError, TierFullError
+from .moves import Move
+
+SLOT_ALIGN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeSlot:
+    """Where one chunk lives on disk: a logical (striped) file and a byte range in it."""
+
+    file: object          # offload.aio.StripedFile
+    offset: int
+    nbytes: int
+
+
+class NvmeTier:
+    """Chunk slots in striped files under ``dirs``; reads and writes go through ``offload.aio``."""
+
+    name = "nvme"
+
+    def __init__(self, dirs: Sequence[str], aio_config: AioConfig | None = None, *, prefix: str = "offload"):
+        from ..aio import AsyncIO
+
+        self.dirs = [str(Path(d)) for d in dirs]
+        for d in self.dirs:
+            p = Path(d)
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError("nvme_paths", d, f"cannot be created: {exc.strerror}") from exc
+            if not p.is_dir():
+                raise ConfigError("nvme_paths", d, "is not a directory")
+        self.prefix = prefix
+        self.aio = AsyncIO(aio_config or AioConfig())
+        self.files: dict[str, object] = {}
+        self.in_use = 0
+        self.budget = self._free_space()
+
+    def _free_space(self) -> int:
+        # Striping spreads a file evenly, so the smallest directory bounds the whole.
+        return min(shutil.disk_usage(d).free for d in self.dirs) * len(self.dirs)
+
+    @property
+    def reserved(self) -> int:
+        return self.in_use
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget - self.in_use
+
+    def reserve_group(self, group: str, count: int, slot_bytes: int) -> list[NvmeSlot]:
+        """Create (or reuse) the swap file of ``group`` with ``count`` slots of ``slot_bytes``."""
+        from ..aio import StripedFile
+
+        if group in self.files:
+            raise ConfigError("group", group, "already has a swap file")
+        slot = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        size = slot * count
+        if size > self.free_bytes:
+            raise TierFullError("nvme", self.budget, self.in_use, size,
+                                f"free space on {', '.join(self.dirs)}")
+        file = StripedFile(self.dirs, f"{self.prefix}-{group}.swp", size)
+        self.files[group] = file
+        self.in_use += size
+        return [NvmeSlot(file, i * slot, slot_bytes) for i in range(count)]
+
+    def write(self, slot: NvmeSlot, src: torch.Tensor, src_name: str = "cpu") -> Move:
+        """Start writing the aligned host buffer ``src`` into ``slot``."""
+        handle = self.aio.write_from(src, slot.file, slot.offset)
+        return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]))
+
+    def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu") -> Move:
+        """Start reading ``slot`` into the aligned host buffer ``dst``."""
+        handle = self.aio.read_into(dst, slot.file, slot.offset)
+        return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]))
+
+    def close(self, remove: bool = True) -> None:
+        """Close the I/O engine and (by default) delete the swap files."""
+        self.aio.close()
+        if remove:
+            for f in self.files.values():
+                f.remove()
+        self.files.clear()
+        self.in_use = 0
+
+    def describe(self) -> dict:
+        return {"budget": self.budget, "in_use": self.in_use, "reserved": self.in_use,
+                "paths": list(self.dirs), "files": len(self.files), "backend": self.aio.backend}
