@@ -28,3 +28,57 @@ int off_set_default_threads(int threads);   /* 0, or -EINVAL for threads < 1 */
 /* ---- CPU Adam (adam_*.c): section owned by the Adam kernels ---------- */
 
 /* ---- I/O (aio.c, buffers.c, crc32c.c): section owned by the I/O layer -- */
+/* Aligned host buffers (buffers.c). Memory comes from mmap: page-aligned, zero-filled. */
+enum off_buffer_flags {
+    OFF_BUF_HUGEPAGE = 1,              /* 2 MiB-aligned and madvise(MADV_HUGEPAGE) */
+    OFF_BUF_POPULATE = 2               /* touch every page before returning */
+};
+int off_buffer_alloc(void **out, long long size, int flags);       /* 0 or -errno */
+void off_buffer_free(void *ptr, long long size, int flags);         /* same size and flags */
+long long off_buffer_mapped_size(long long size, int flags);        /* bytes really mapped */
+int off_buffer_lock(void *ptr, long long size);                     /* mlock: 0 or -errno */
+int off_buffer_unlock(void *ptr, long long size);
+
+/* CRC32C (crc32c.c): SSE4.2 when the CPU has it (chosen at run time), else a table. */
+unsigned int off_crc32c(unsigned int crc, const void *data, long long size);
+unsigned int off_crc32c_portable(unsigned int crc, const void *data, long long size);
+int off_crc32c_hw(void);               /* 1 when the SSE4.2 path is in use */
+
+/* Asynchronous I/O (aio.c). */
+enum off_io_op {
+    OFF_IO_READ = 0,
+    OFF_IO_WRITE = 1
+};
+
+typedef struct off_io_req {
+    int fd;
+    int op;                            /* OFF_IO_READ / OFF_IO_WRITE */
+    void *buf;
+    long long offset;                  /* bytes into the file */
+    long long length;                  /* bytes */
+    unsigned long long tag;            /* caller's cookie, returned with the completion */
+} off_io_req;
+
+typedef struct off_io_done {
+    unsigned long long tag;
+    long long result;                  /* == length on success, else -errno; short = -EIO */
+    long long done;                    /* bytes actually transferred */
+} off_io_done;
+
+typedef struct off_aio off_aio;        /* opaque: one kernel AIO context */
+
+/* A context with queue_depth request slots: 0 or -errno (-ENOSYS without libaio). */
+int off_aio_create(off_aio **out, int queue_depth);
+void off_aio_destroy(off_aio *ctx);    /* waits for requests still in flight */
+/* Queue up to n requests with one io_submit: how many were queued, or -errno when none
+ * were (-EAGAIN: no free slot; otherwise the error of reqs[0]). */
+int off_aio_submit(off_aio *ctx, const off_io_req *reqs, int n);
+/* Reap min_nr..max_nr completions, waiting up to timeout_ns (< 0: forever): count or -errno. */
+int off_aio_reap(off_aio *ctx, off_io_done *out, int min_nr, int max_nr, long long timeout_ns);
+int off_aio_inflight(off_aio *ctx);
+
+/* Blocking pread/pwrite of the whole range (EINTR and partial transfers handled): bytes
+ * moved (< length only at end of file) or -errno. Used by the thread backend. */
+long long off_pio(int fd, int op, void *buf, long long length, long long offset);
+/* fallocate(fd, 0, 0, length): 0 or -errno (-EOPNOTSUPP where the filesystem lacks it). */
+int off_preallocate(int fd, long long length);

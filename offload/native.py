@@ -95,3 +95,125 @@ def native_info() -> dict:
         "libaio": libaio_linked(),
         "default_threads": int(lib.off_default_threads()),
     }
+
+
+# ---- I/O layer (offload/aio): aligned buffers, CRC32C, libaio contexts, blocking pread/pwrite.
+# Section owned by the I/O layer. Per-request I/O failures are data here (a result code per
+# completion); `io_error` is where an errno becomes an NvmeIOError.
+
+IO_READ = 0
+IO_WRITE = 1
+BUF_HUGEPAGE = 1
+BUF_POPULATE = 2
+
+
+def io_error(err: int, path: str, offset: int, length: int, what: str = ""):
+    """The ``NvmeIOError`` for errno ``err`` (positive or negative) on ``length`` bytes at ``offset``."""
+    from .errors import NvmeIOError
+
+    return NvmeIOError(abs(int(err)), path, offset, length, what)
+
+
+def buffer_alloc(nbytes: int, *, hugepage: bool, populate: bool):
+    """An mmap'd, page-aligned (2 MiB with ``hugepage``), zero-filled buffer of ``nbytes`` bytes.
+
+    Returns ``(buf, address)``: ``buf`` supports the buffer protocol and owns the memory,
+    which is unmapped when ``buf`` and everything viewing it are gone.
+    """
+    from .errors import PinnedMemoryError
+
+    ffi, lib = load()
+    flags = (BUF_HUGEPAGE if hugepage else 0) | (BUF_POPULATE if populate else 0)
+    out = ffi.new("void **")
+    rc = lib.off_buffer_alloc(out, nbytes, flags)
+    if rc < 0:
+        raise PinnedMemoryError(f"cannot map {nbytes} bytes of aligned host memory: "
+                                f"{os.strerror(-rc)} (errno {-rc})")
+    size = int(nbytes)
+    ptr = ffi.gc(ffi.cast("char *", out[0]), lambda p: lib.off_buffer_free(p, size, flags))
+    return ffi.buffer(ptr, max(size, 1)), int(ffi.cast("uintptr_t", ptr))
+
+
+def buffer_lock(address: int, nbytes: int) -> int:
+    """mlock ``nbytes`` at ``address``: 0 or -errno (the caller decides what a refusal means)."""
+    ffi, lib = load()
+    return int(lib.off_buffer_lock(ffi.cast("void *", address), nbytes))
+
+
+def buffer_unlock(address: int, nbytes: int) -> int:
+    ffi, lib = load()
+    return int(lib.off_buffer_unlock(ffi.cast("void *", address), nbytes))
+
+
+def crc32c(address: int, nbytes: int, crc: int = 0, *, portable: bool = False) -> int:
+    """CRC32C of ``nbytes`` bytes at ``address``, continuing from ``crc`` (SSE4.2 unless ``portable``)."""
+    ffi, lib = load()
+    fn = lib.off_crc32c_portable if portable else lib.off_crc32c
+    return int(fn(crc, ffi.cast("void *", address), nbytes))
+
+
+def crc32c_hw() -> bool:
+    return bool(load()[1].off_crc32c_hw())
+
+
+def pio(fd: int, op: int, address: int, length: int, offset: int) -> int:
+    """Blocking pread/pwrite of the whole range (GIL released): bytes moved, or -errno."""
+    ffi, lib = load()
+    return int(lib.off_pio(fd, op, ffi.cast("void *", address), length, offset))
+
+
+def preallocate(fd: int, length: int) -> int:
+    """fallocate the first ``length`` bytes of ``fd``: 0 or -errno (-EOPNOTSUPP: not supported)."""
+    return int(load()[1].off_preallocate(fd, length))
+
+
+class AioContext:
+    """One kernel AIO context (``off_aio``) with ``depth`` request slots.
+
+    ``submit`` takes ``(tag, fd, op, address, offset, length)`` tuples and returns how many
+    were queued or -errno; ``reap`` returns ``(tag, result, done)`` tuples (result == length
+    on success, else -errno; a short transfer is -EIO with ``done`` bytes). The native calls
+    release the GIL, so a reaping thread and submitting threads run side by side.
+    """
+
+    def __init__(self, depth: int):
+        ffi, lib = load()
+        out = ffi.new("off_aio **")
+        rc = lib.off_aio_create(out, depth)
+        if rc < 0:
+            from .errors import NvmeIOError
+
+            raise NvmeIOError(-rc, "<aio context>", 0, 0,
+                              f"io_setup({depth}) failed" + (" (built without libaio)" if rc == -38 else
+                                                             "; see /proc/sys/fs/aio-max-nr"))
+        self._ffi, self._lib, self._ctx, self.depth = ffi, lib, out[0], depth
+        self._reqs = ffi.new("off_io_req[]", depth)
+        self._done = ffi.new("off_io_done[]", depth)
+
+    def submit(self, reqs) -> int:
+        n = len(reqs)
+        if n > self.depth:
+            raise ValueError("more requests than slots")
+        arr = self._reqs if n else self._ffi.NULL
+        for i, (tag, fd, op, address, offset, length) in enumerate(reqs):
+            r = arr[i]
+            r.tag, r.fd, r.op, r.offset, r.length = tag, fd, op, offset, length
+            r.buf = self._ffi.cast("void *", address)
+        return int(self._lib.off_aio_submit(self._ctx, arr, n))
+
+    def reap(self, min_nr: int, max_nr: int, timeout_ns: int):
+        """Completions as a list, or an int -errno when reaping itself failed (e.g. -EINTR)."""
+        got = self._lib.off_aio_reap(self._ctx, self._done, min_nr, min(max_nr, self.depth), timeout_ns)
+        if got < 0:
+            return int(got)
+        d = self._done
+        return [(int(d[i].tag), int(d[i].result), int(d[i].done)) for i in range(got)]
+
+    def inflight(self) -> int:
+        return int(self._lib.off_aio_inflight(self._ctx))
+
+    def destroy(self) -> None:
+        """Wait for requests in flight and free the context (idempotent)."""
+        if self._ctx is not None:
+            self._lib.off_aio_destroy(self._ctx)
+            self._ctx = None
