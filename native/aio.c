@@ -159,7 +159,7 @@ OFF_EXPORT int off_aio_reap(off_aio *c, off_io_done *out, int min_nr, int max_nr
         out[i].tag = c->tags[slot];
         if (res < 0) {
             out[i].result = res;
-            out[i].done = 0;
+            out[i].done = -1;          /* an error, not a short transfer */
         } else if (res != want) {
             out[i].result = -EIO;      /* short transfer: never hand back partial data as success */
             out[i].done = res;

@@ -62,7 +62,8 @@ typedef struct off_io_req {
 typedef struct off_io_done {
     unsigned long long tag;
     long long result;                  /* == length on success, else -errno; short = -EIO */
-    long long done;                    /* bytes actually transferred */
+    long long done;                    /* bytes moved; with result -EIO and done >= 0 the
+                                          transfer was short, done == -1 marks an error */
 } off_io_done;
 
 typedef struct off_aio off_aio;        /* opaque: one kernel AIO context */

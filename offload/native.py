@@ -172,7 +172,8 @@ class AioContext:
 
     ``submit`` takes ``(tag, fd, op, address, offset, length)`` tuples and returns how many
     were queued or -errno; ``reap`` returns ``(tag, result, done)`` tuples (result == length
-    on success, else -errno; a short transfer is -EIO with ``done`` bytes). The native calls
+    on success, else -errno; a short transfer is -EIO with ``done`` >= 0 bytes, an error has
+    ``done`` -1). The native calls
     release the GIL, so a reaping thread and submitting threads run side by side.
     """
 

@@ -31,11 +31,15 @@ class Piece:
         self.store = None
 
     def finish(self, result: int, done: int) -> None:
-        """Called once by the backend: ``result`` == length, or -errno (short: -EIO, ``done`` bytes)."""
+        """Called once by the backend: ``result`` == length, or -errno.
+
+        A short transfer is ``result`` -EIO with ``done`` >= 0 bytes moved; ``done`` -1 marks
+        a plain error.
+        """
         err = None
         if result < 0:
             what = (f"short {'read' if self.op == native.IO_READ else 'write'}: {done} of "
-                    f"{self.length} bytes (file truncated or disk full?)") if done else ""
+                    f"{self.length} bytes (file truncated or disk full?)") if done >= 0 else ""
             err = native.io_error(result, self.path, self.offset, self.length, what)
         elif result != self.length:
             err = native.io_error(errno.EIO, self.path, self.offset, self.length,

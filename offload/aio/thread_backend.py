@@ -39,8 +39,10 @@ class ThreadBackend:
             except BaseException as exc:   # never leave a handle waiting forever
                 piece.fail(errno.EIO, f"worker failed: {exc!r}")
                 continue
-            if rc == piece.length or rc < 0:
-                piece.finish(rc, max(rc, 0))
+            if rc == piece.length:
+                piece.finish(rc, rc)
+            elif rc < 0:
+                piece.finish(rc, -1)
             else:
                 piece.finish(-errno.EIO, rc)   # end of file before the end of the request
 

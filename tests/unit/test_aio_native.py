@@ -1,0 +1,115 @@
+"""The native I/O primitives: CRC32C (hardware = table = reference), buffers, pread/pwrite, AIO contexts."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload import native
+
+libaio = pytest.mark.skipif(not native.libaio_linked(), reason="offload._native built without libaio")
+
+
+def _crc_reference(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _crc(data: bytes, **kw) -> int:
+    buf, address = native.buffer_alloc(max(len(data), 1), hugepage=False, populate=False)
+    buf[: len(data)] = data
+    return native.crc32c(address, len(data), **kw)
+
+
+def test_crc32c_known_vector():
+    assert _crc(b"123456789") == 0xE3069283
+    assert _crc(b"123456789", portable=True) == 0xE3069283
+    assert _crc(b"") == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=300), st.integers(0, 7))
+def test_crc32c_paths_agree_with_reference(data, skip):
+    data = data[skip:]
+    ref = _crc_reference(data)
+    assert _crc(data) == ref and _crc(data, portable=True) == ref
+
+
+def test_crc32c_is_chainable():
+    data = os.urandom(10000)
+    buf, address = native.buffer_alloc(len(data), hugepage=False, populate=False)
+    buf[:] = data
+    whole = native.crc32c(address, len(data))
+    assert native.crc32c(address + 777, len(data) - 777, native.crc32c(address, 777)) == whole
+
+
+@pytest.mark.parametrize("hugepage", [False, True])
+def test_buffer_alignment_and_zero_fill(hugepage):
+    buf, address = native.buffer_alloc(3 << 20, hugepage=hugepage, populate=True)
+    assert address % ((2 << 20) if hugepage else 4096) == 0
+    assert len(buf) == 3 << 20 and bytes(buf[:4096]) == bytes(4096)
+
+
+def test_pio_round_trip_and_eof(tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        buf, address = native.buffer_alloc(8192, hugepage=False, populate=True)
+        buf[:] = os.urandom(8192)
+        assert native.pio(fd, native.IO_WRITE, address, 8192, 100) == 8192
+        out, oaddr = native.buffer_alloc(8192, hugepage=False, populate=True)
+        assert native.pio(fd, native.IO_READ, oaddr, 8192, 100) == 8192
+        assert bytes(out) == bytes(buf)
+        assert native.pio(fd, native.IO_READ, oaddr, 8192, 4196) == 4096   # EOF: short count
+        assert native.pio(-1, native.IO_READ, oaddr, 1, 0) == -errno.EINVAL
+    finally:
+        os.close(fd)
+
+
+@libaio
+def test_aio_context_reports_short_read_as_eio(disk_tmp):
+    path = disk_tmp / "short"
+    path.write_bytes(b"x" * 4096)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    ctx = native.AioContext(4)
+    try:
+        buf, address = native.buffer_alloc(16384, hugepage=False, populate=True)
+        assert ctx.submit([(7, fd, native.IO_READ, address, 0, 16384),
+                           (8, fd, native.IO_READ, address, 0, 4096)]) == 2
+        got = {}
+        while len(got) < 2:
+            for tag, result, done in ctx.reap(1, 4, 1_000_000_000):
+                got[tag] = (result, done)
+        assert got[7] == (-errno.EIO, 4096) and got[8] == (4096, 4096)   # short, then whole
+        assert ctx.inflight() == 0
+        assert ctx.reap(0, 4, 1_000_000) == []     # timeout: nothing
+        assert ctx.submit([(1, fd, 9, address, 0, 4096)]) == -errno.EINVAL
+    finally:
+        ctx.destroy()
+        os.close(fd)
+
+
+@libaio
+def test_aio_context_full_queue_is_eagain(disk_tmp):
+    path = disk_tmp / "q"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    ctx = native.AioContext(1)
+    try:
+        buf, address = native.buffer_alloc(8192, hugepage=False, populate=True)
+        n = ctx.submit([(1, fd, native.IO_READ, address, 0, 4096)])
+        assert n == 1
+        assert ctx.submit([(2, fd, native.IO_READ, address + 4096, 4096, 4096)]) in (-errno.EAGAIN,)
+        while not ctx.reap(1, 1, 1_000_000_000):
+            pass
+    finally:
+        ctx.destroy()
+        os.close(fd)
