@@ -26,6 +26,52 @@ int off_default_threads(void);         /* worker threads a kernel uses when aske
 int off_set_default_threads(int threads);   /* 0, or -EINVAL for threads < 1 */
 
 /* ---- CPU Adam (adam_*.c): section owned by the Adam kernels ---------- */
+enum off_dtype {
+    OFF_DTYPE_NONE = 0,
+    OFF_DTYPE_FP32 = 1,
+    OFF_DTYPE_BF16 = 2,
+    OFF_DTYPE_FP16 = 3
+};
+
+/* Doubles, as torch derives its scalars from Python floats; the kernels round each derived
+ * constant (1 - beta1, lr / (1 - beta1^t), ...) to float once. */
+typedef struct off_adam_hparams {
+    double lr;
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    double grad_scale;     /* every gradient is multiplied by this first (1/loss_scale * clip) */
+    long long step;        /* the step being taken, >= 1 (bias correction uses it) */
+    int decoupled;         /* 1: AdamW (decoupled decay); 0: Adam (L2 added to the gradient) */
+    int maximize;          /* 1: ascend (torch's maximize=True) */
+} off_adam_hparams;
+
+/*
+ * One Adam/AdamW step over n elements, in place on param/exp_avg/exp_avg_sq (fp32).
+ * grad has grad_dtype (FP32/BF16/FP16). When out_dtype is BF16 or FP16, the updated
+ * parameters are also written, rounded to nearest even, into out (n elements);
+ * OFF_DTYPE_NONE leaves out untouched (may be NULL). threads <= 0 means the default.
+ * Every level and every thread count give the same bits.
+ * Returns 0, or -EINVAL for a bad argument (nothing modified).
+ */
+int off_adam_step(const off_adam_hparams *hp, float *param, const void *grad, int grad_dtype,
+                  float *exp_avg, float *exp_avg_sq, void *out, int out_dtype,
+                  long long n, int threads);
+/* Same, forcing one SIMD level (tests and benchmarks); -ENOTSUP if the CPU lacks it. */
+int off_adam_step_level(int level, const off_adam_hparams *hp, float *param, const void *grad,
+                        int grad_dtype, float *exp_avg, float *exp_avg_sq, void *out,
+                        int out_dtype, long long n, int threads);
+
+/*
+ * Memory-traffic probe with Adam's access pattern, the roofline: a, b, c (fp32) read and
+ * written, d read (d_bytes 4 or 2 per element, like the gradient), e written (e_bytes 2 per
+ * element, like the low-precision copy, or 0 for none). Returns 0 or -EINVAL.
+ */
+int off_stream_probe(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                     int e_bytes, long long n, int threads);
+int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d, int d_bytes,
+                           void *e, int e_bytes, long long n, int threads);
 
 /* ---- I/O (aio.c, buffers.c, crc32c.c): section owned by the I/O layer -- */
 /* Aligned host buffers (buffers.c). Memory comes from mmap: page-aligned, zero-filled. */

@@ -218,3 +218,52 @@ class AioContext:
         if self._ctx is not None:
             self._lib.off_aio_destroy(self._ctx)
             self._ctx = None
+
+
+# ---- CPU Adam (offload/optim, offload/bench/adam): section owned by the Adam kernels ----
+
+DTYPE_CODES = {"none": 0, "fp32": 1, "bf16": 2, "fp16": 3}   # enum off_dtype
+
+
+def adam_step_raw(*, param: int, grad: int, grad_dtype: str, exp_avg: int, exp_avg_sq: int,
+                  out: int, out_dtype: str, n: int, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float, grad_scale: float, step: int,
+                  decoupled: bool, maximize: bool, threads: int, level: str | None) -> None:
+    """One Adam step over ``n`` elements at raw addresses (ints); callers validate first.
+
+    ``level`` forces an instruction set (``None``: the one in use). ``threads`` <= 0 means the
+    default. The GIL is released for the whole call.
+    """
+    ffi, lib = load()
+    hp = ffi.new("off_adam_hparams *", {
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "grad_scale": grad_scale, "step": step, "decoupled": int(bool(decoupled)),
+        "maximize": int(bool(maximize))})
+    args = (hp, ffi.cast("float *", param), ffi.cast("void *", grad), DTYPE_CODES[grad_dtype],
+            ffi.cast("float *", exp_avg), ffi.cast("float *", exp_avg_sq),
+            ffi.cast("void *", out), DTYPE_CODES[out_dtype], n, threads)
+    if level is None:
+        rc = lib.off_adam_step(*args)
+    else:
+        rc = lib.off_adam_step_level(SIMD_LEVELS.index(level), *args)
+    check(rc, "off_adam_step")
+
+
+def stream_probe_raw(*, a: int, b: int, c: int, d: int, d_bytes: int, e: int, e_bytes: int,
+                     n: int, threads: int, level: str | None = None) -> None:
+    """The roofline loop over ``n`` elements: a, b, c (fp32) read and written, d read
+    (``d_bytes`` per element), e written (``e_bytes`` per element, 0 for none)."""
+    ffi, lib = load()
+    args = (ffi.cast("float *", a), ffi.cast("float *", b), ffi.cast("float *", c),
+            ffi.cast("void *", d), d_bytes, ffi.cast("void *", e), e_bytes, n, threads)
+    if level is None:
+        rc = lib.off_stream_probe(*args)
+    else:
+        rc = lib.off_stream_probe_level(SIMD_LEVELS.index(level), *args)
+    check(rc, "off_stream_probe")
+
+
+def simd_available() -> list[str]:
+    """Every instruction set this CPU runs, lowest first (what tests and benchmarks sweep)."""
+    _, lib = load()
+    return list(SIMD_LEVELS[: lib.off_simd_supported() + 1])

@@ -1,0 +1,152 @@
+/*
+ * AVX2 + FMA + F16C Adam: eight lanes of exactly the scalar kernel's operations (see
+ * adam_scalar.c; no FMA contraction, so the bits match it). The tail (< 8 elements) runs the
+ * same vector code over a zero-padded copy, so a result never depends on where the work was
+ * split between threads.
+ */
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#pragma GCC optimize("fp-contract=off")
+#include <immintrin.h>
+
+#include "adam_internal.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m256 load_grad(const void *grad, int dtype, long long i)
+{
+    if (dtype == OFF_DTYPE_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)grad + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == OFF_DTYPE_FP16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)grad + i)));
+    return _mm256_loadu_ps((const float *)grad + i);
+}
+
+/* Round to nearest even with NaN kept a NaN: off__f32_to_bf16, eight at a time. */
+INLINE __m128i to_bf16(__m256 x)
+{
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, q, nan);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(packed);
+}
+
+INLINE void step8(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                  float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long i)
+{
+    __m256 g = _mm256_mul_ps(load_grad(grad, grad_dtype, i), _mm256_set1_ps(c->grad_scale));
+    __m256 p = _mm256_loadu_ps(param + i);
+    if (c->mode == OFF__WD_DECOUPLED)
+        p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+    else if (c->mode == OFF__WD_L2)
+        g = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(c->l2), p));
+    __m256 m = _mm256_loadu_ps(exp_avg + i);
+    m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta1), _mm256_sub_ps(g, m)));
+    __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(c->beta2), _mm256_loadu_ps(exp_avg_sq + i)),
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2), g), g));
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c->bc2_sqrt)),
+                                 _mm256_set1_ps(c->eps));
+    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_size), m), denom));
+    _mm256_storeu_ps(param + i, p);
+    _mm256_storeu_ps(exp_avg + i, m);
+    _mm256_storeu_ps(exp_avg_sq + i, v);
+    if (out_dtype == OFF_DTYPE_BF16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i), to_bf16(p));
+    else if (out_dtype == OFF_DTYPE_FP16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + i),
+                         _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+INLINE void run(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
+{
+    long long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        step8(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i);
+        step8(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i + 8);
+    }
+    for (; i + 8 <= n; i += 8)
+        step8(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i);
+    long long k = n - i;
+    if (k == 0)
+        return;
+    /* tail: the same lanes over a zero-padded copy (padding lanes compute harmless values) */
+    float p[8] = {0}, m[8] = {0}, v[8] = {0};
+    uint32_t g[8] = {0};
+    uint16_t o[8] = {0};
+    size_t gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
+    memcpy(p, param + i, (size_t)k * 4);
+    memcpy(m, exp_avg + i, (size_t)k * 4);
+    memcpy(v, exp_avg_sq + i, (size_t)k * 4);
+    memcpy(g, (const char *)grad + (size_t)i * gsz, (size_t)k * gsz);
+    step8(c, p, g, grad_dtype, m, v, o, out_dtype, 0);
+    memcpy(param + i, p, (size_t)k * 4);
+    memcpy(exp_avg + i, m, (size_t)k * 4);
+    memcpy(exp_avg_sq + i, v, (size_t)k * 4);
+    if (out_dtype != OFF_DTYPE_NONE)
+        memcpy((uint16_t *)out + i, o, (size_t)k * 2);
+}
+
+/* One specialised loop per (grad dtype, out dtype): the branches above fold away. */
+#define CASE(G, O) \
+    if (grad_dtype == G && out_dtype == O) { \
+        run(c, param, grad, G, exp_avg, exp_avg_sq, out, O, n); \
+        return; \
+    }
+
+void off__adam_avx2(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                    float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
+{
+    CASE(OFF_DTYPE_FP32, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP32, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP32, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_BF16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_BF16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_BF16, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_FP16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
+}
+#undef CASE
+
+INLINE void probe8(float *a, float *b, float *c, const void *d, int d_bytes, void *e, int e_bytes,
+                   long long i)
+{
+    __m256 x = load_grad(d, d_bytes == 2 ? OFF_DTYPE_BF16 : OFF_DTYPE_FP32, i);
+    __m256 y = _mm256_add_ps(_mm256_loadu_ps(a + i), x);
+    _mm256_storeu_ps(a + i, y);
+    _mm256_storeu_ps(b + i, _mm256_add_ps(_mm256_loadu_ps(b + i), x));
+    _mm256_storeu_ps(c + i, _mm256_add_ps(_mm256_loadu_ps(c + i), _mm256_mul_ps(x, x)));
+    if (e_bytes == 2) {
+        __m256i h = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
+        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)e + i), _mm256_castsi256_si128(h));
+    }
+}
+
+INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                      int e_bytes, long long n)
+{
+    long long i = 0;
+    for (; i + 8 <= n; i += 8)
+        probe8(a, b, c, d, d_bytes, e, e_bytes, i);
+    off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * (size_t)d_bytes, d_bytes,
+                      e ? (char *)e + (size_t)i * 2 : e, e_bytes, n - i);
+}
+
+void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                     int e_bytes, long long n)
+{
+    if (d_bytes == 2 && e_bytes == 2)
+        probe_run(a, b, c, d, 2, e, 2, n);
+    else if (d_bytes == 2)
+        probe_run(a, b, c, d, 2, e, 0, n);
+    else if (e_bytes == 2)
+        probe_run(a, b, c, d, 4, e, 2, n);
+    else
+        probe_run(a, b, c, d, 4, e, 0, n);
+}
+
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,131 @@
+/*
+ * Internal to the CPU Adam (adam*.c): the per-call constants every kernel reads, the
+ * kernel signature, and the scalar dtype conversions that the SIMD kernels reproduce bit
+ * for bit. Not part of the public API (cffi never reads this file).
+ */
+#ifndef OFF_ADAM_INTERNAL_H
+#define OFF_ADAM_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+/*
+ * Scalars derived once per call, in double as torch derives them from Python floats, then
+ * rounded to float once: the kernels only ever see these.
+ */
+typedef struct off__adam_consts {
+    float grad_scale;      /* applied to every gradient first (negated for maximize) */
+    float decay;           /* AdamW: param *= 1 - lr*wd */
+    float l2;              /* Adam: grad += wd*param */
+    float one_minus_beta1; /* exp_avg.lerp_(grad, 1 - beta1) */
+    float beta2;
+    float one_minus_beta2;
+    float bc2_sqrt;        /* sqrt(1 - beta2^step) */
+    float eps;
+    float step_size;       /* lr / (1 - beta1^step) */
+    int mode;              /* OFF__WD_NONE, OFF__WD_DECOUPLED or OFF__WD_L2 */
+} off__adam_consts;
+
+enum { OFF__WD_NONE = 0, OFF__WD_DECOUPLED = 1, OFF__WD_L2 = 2 };
+
+/* One kernel over [0, n) of already-offset buffers; every level gives the same bits. */
+typedef void (*off__adam_kernel)(const off__adam_consts *c, float *param, const void *grad,
+                                 int grad_dtype, float *exp_avg, float *exp_avg_sq, void *out,
+                                 int out_dtype, long long n);
+
+/* Memory probe over [0, n): a, b, c read and written (fp32), d read (d_bytes: 2 or 4), e
+ * written when e_bytes is 2. */
+typedef void (*off__probe_kernel)(float *a, float *b, float *c, const void *d, int d_bytes,
+                                  void *e, int e_bytes, long long n);
+
+void off__adam_scalar(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                      float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
+void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                       int e_bytes, long long n);
+#if defined(__x86_64__)
+void off__adam_avx2(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                    float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
+void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                     int e_bytes, long long n);
+void off__adam_avx512(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                      float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
+void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                       int e_bytes, long long n);
+#endif
+
+static inline uint32_t off__f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float off__bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float off__bf16_to_f32(uint16_t h) { return off__bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest even; a NaN stays a NaN (quiet, sign and top payload kept) instead of
+ * carrying into the exponent and becoming an infinity. */
+static inline uint16_t off__f32_to_bf16(float f)
+{
+    uint32_t u = off__f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x0040u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* IEEE half -> float, exact (what F16C's vcvtph2ps gives, signalling NaNs quieted). */
+static inline float off__f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1f)
+        return off__bits_f32(sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u));
+    if (exp == 0) {
+        if (man == 0)
+            return off__bits_f32(sign);
+        /* subnormal: man * 2^-24, exact in float */
+        float v = (float)man * 0x1p-24f;
+        return off__bits_f32(sign | off__f32_bits(v));
+    }
+    return off__bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* float -> IEEE half, round to nearest even (what F16C's vcvtps2ph with imm 0 gives: NaN
+ * quiet with its top payload kept, overflow to infinity, subnormals rounded). */
+static inline uint16_t off__f32_to_f16(float f)
+{
+    uint32_t u = off__f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) /* >= 65520 rounds to infinity (and infinity stays) */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x38800000u) { /* normal half */
+        uint32_t h = a - 0x38000000u;
+        h = (h + 0x0fffu + ((h >> 13) & 1u)) >> 13;
+        return (uint16_t)(sign | h);
+    }
+    if (a <= 0x33000000u) /* <= 2^-25: ties to even at zero */
+        return sign;
+    uint32_t e = a >> 23;
+    uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    uint32_t s = 126u - e; /* 14..24 */
+    uint32_t r = m >> s;
+    uint32_t rem = m & ((1u << s) - 1u);
+    uint32_t half = 1u << (s - 1u);
+    if (rem > half || (rem == half && (r & 1u)))
+        r++;
+    return (uint16_t)(sign | r);
+}
+
+#endif

@@ -1,0 +1,66 @@
+/*
+ * The reference Adam/AdamW step: one element at a time, in the order of torch.optim.AdamW's
+ * documented algorithm (and of its single-tensor implementation), with every scalar already
+ * rounded to float by off__adam_consts. The SIMD kernels do exactly these IEEE operations
+ * lane by lane (no FMA contraction anywhere), so every level gives the same bits.
+ *
+ *   g      = grad * grad_scale                 (negated for maximize)
+ *   AdamW: p = p * (1 - lr*wd)     Adam: g = g + wd*p
+ *   m      = m + (1 - beta1) * (g - m)         (torch: exp_avg.lerp_(g, 1 - beta1))
+ *   v      = beta2*v + ((1 - beta2)*g)*g       (torch: mul_(beta2).addcmul_(g, g, 1 - beta2))
+ *   denom  = sqrt(v) / sqrt(1 - beta2^t) + eps
+ *   p      = p - (lr / (1 - beta1^t)) * m / denom
+ */
+#include <math.h>
+
+#include "adam_internal.h"
+
+static float load_grad(const void *grad, int dtype, long long i)
+{
+    switch (dtype) {
+    case OFF_DTYPE_BF16: return off__bf16_to_f32(((const uint16_t *)grad)[i]);
+    case OFF_DTYPE_FP16: return off__f16_to_f32(((const uint16_t *)grad)[i]);
+    default: return ((const float *)grad)[i];
+    }
+}
+
+void off__adam_scalar(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
+                      float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
+{
+    for (long long i = 0; i < n; i++) {
+        float g = load_grad(grad, grad_dtype, i) * c->grad_scale;
+        float p = param[i];
+        if (c->mode == OFF__WD_DECOUPLED)
+            p = p * c->decay;
+        else if (c->mode == OFF__WD_L2)
+            g = g + c->l2 * p;
+        float m = exp_avg[i];
+        m = m + c->one_minus_beta1 * (g - m);
+        float v = c->beta2 * exp_avg_sq[i] + (c->one_minus_beta2 * g) * g;
+        float denom = sqrtf(v) / c->bc2_sqrt + c->eps;
+        p = p - (c->step_size * m) / denom;
+        param[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        if (out_dtype == OFF_DTYPE_BF16)
+            ((uint16_t *)out)[i] = off__f32_to_bf16(p);
+        else if (out_dtype == OFF_DTYPE_FP16)
+            ((uint16_t *)out)[i] = off__f32_to_f16(p);
+    }
+}
+
+/* The roofline loop: Adam's streams and bytes with next to no arithmetic. */
+void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
+                       int e_bytes, long long n)
+{
+    for (long long i = 0; i < n; i++) {
+        float x = d_bytes == 2 ? off__bf16_to_f32(((const uint16_t *)d)[i]) : ((const float *)d)[i];
+        /* bounded drift, c stays >= 0: the buffers remain usable as Adam state afterwards */
+        float y = a[i] + x;
+        a[i] = y;
+        b[i] = b[i] + x;
+        c[i] = c[i] + x * x;
+        if (e_bytes == 2)
+            ((uint16_t *)e)[i] = (uint16_t)(off__f32_bits(y) >> 16);
+    }
+}

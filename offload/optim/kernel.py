@@ -1,0 +1,148 @@
+"""The low-level CPU Adam call over raw chunk buffers, as the engine uses it.
+
+Every argument is checked before the native call, so a bad one raises ``ConfigError`` (a
+``ValueError``) naming it and nothing is modified. The update itself runs in native SIMD code
+(``native/adam*.c``) with the GIL released; every instruction set and every thread count give
+the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import native
+from ..errors import ConfigError
+
+GRAD_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+OUT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _scalar(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(name, tuple(value.shape), "must be a number or a one-element tensor")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, value, "must be a number")
+    return float(value)
+
+
+def check_hparams(*, lr, beta1, beta2, eps, weight_decay) -> tuple[float, float, float, float, float]:
+    """Validate Adam's scalars (the optimizers share this); return them as floats."""
+    lr = _scalar("lr", lr)
+    beta1 = _scalar("beta1", beta1)
+    beta2 = _scalar("beta2", beta2)
+    eps = _scalar("eps", eps)
+    weight_decay = _scalar("weight_decay", weight_decay)
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise ConfigError("lr", lr, "must be a finite number >= 0")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(name, beta, "must be in [0, 1)")
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ConfigError("eps", eps, "must be a finite number > 0")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ConfigError("weight_decay", weight_decay, "must be a finite number >= 0")
+    return lr, beta1, beta2, eps, weight_decay
+
+
+def resolve_threads(threads) -> int:
+    """``None`` -> 0 (the native default: physical cores); otherwise an int >= 1."""
+    if threads is None:
+        return 0
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError("threads", threads, "must be None (physical cores) or an int >= 1")
+    return threads
+
+
+def resolve_simd(simd) -> str | None:
+    """``None`` -> the level in use; a name must be one this CPU runs."""
+    if simd is None:
+        return None
+    if simd not in native.SIMD_LEVELS:
+        raise ConfigError("simd", simd, f"must be one of {', '.join(native.SIMD_LEVELS)}")
+    if simd not in native.simd_available():
+        raise ConfigError("simd", simd, f"this CPU supports at most {native.simd_supported()!r}")
+    return simd
+
+
+def _buffer(name: str, t, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(name, type(t).__name__, "must be a torch.Tensor")
+    if t.layout != torch.strided:
+        raise ConfigError(name, str(t.layout), "must be a dense (strided) tensor, not sparse")
+    if t.device.type != "cpu":
+        raise ConfigError(name, str(t.device), "must be a CPU tensor")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ConfigError(name, str(t.dtype), f"dtype must be one of {allowed}")
+    if not t.is_contiguous():
+        raise ConfigError(name, f"strides {t.stride()}", "must be contiguous")
+    if t.data_ptr() % t.element_size():
+        raise ConfigError(name, hex(t.data_ptr()), f"must be aligned to {t.element_size()} bytes")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, *, lr, beta1: float, beta2: float, eps: float,
+              weight_decay: float, step: int, decoupled: bool = True, grad_scale: float = 1.0,
+              maximize: bool = False, out: torch.Tensor | None = None, threads: int | None = None,
+              simd: str | None = None) -> None:
+    """One Adam (``decoupled=False``) or AdamW step, in place, over flat CPU buffers.
+
+    ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous fp32 (``numel`` elements each).
+    ``grad``: fp32, bf16 or fp16, multiplied by ``grad_scale`` (1/loss scale x clip
+    coefficient) before use. ``step``: the step being taken (>= 1; bias correction).
+    ``out``: optional bf16/fp16 buffer that receives the updated parameters rounded to nearest
+    even in the same pass. ``threads``: worker threads (None: physical cores). ``simd``:
+    force an instruction set (tests and benchmarks). Raises ``ConfigError`` naming the bad
+    argument, before anything is modified.
+    """
+    _buffer("param", param, (torch.float32,))
+    _buffer("grad", grad, tuple(GRAD_DTYPES))
+    _buffer("exp_avg", exp_avg, (torch.float32,))
+    _buffer("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    if out is not None:
+        _buffer("out", out, tuple(OUT_DTYPES))
+    n = param.numel()
+    named = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out is not None:
+        named["out"] = out
+    for name, t in named.items():
+        if t.numel() != n:
+            raise ConfigError(name, t.numel(), f"must have as many elements as param ({n})")
+    written = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out is not None:
+        written["out"] = out
+    if n:
+        spans = [(name, _span(t)) for name, t in written.items()] + [("grad", _span(grad))]
+        for i, (a, (a0, a1)) in enumerate(spans):
+            for b, (b0, b1) in spans[i + 1:]:
+                if a0 < b1 and b0 < a1:
+                    raise ConfigError(b, "overlapping memory", f"must not overlap {a}")
+    lr, beta1, beta2, eps, weight_decay = check_hparams(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    grad_scale = _scalar("grad_scale", grad_scale)
+    if not math.isfinite(grad_scale):
+        raise ConfigError("grad_scale", grad_scale, "must be finite")
+    if isinstance(step, torch.Tensor):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step) or step < 1:
+        raise ConfigError("step", step, "must be an integer >= 1 (the step being taken)")
+    nthreads = resolve_threads(threads)
+    level = resolve_simd(simd)
+    if n == 0:
+        return
+    native.adam_step_raw(
+        param=param.data_ptr(), grad=grad.data_ptr(), grad_dtype=GRAD_DTYPES[grad.dtype],
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
+        out=out.data_ptr() if out is not None else 0,
+        out_dtype=OUT_DTYPES[out.dtype] if out is not None else "none", n=n, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+        step=int(step), decoupled=decoupled, maximize=maximize, threads=nthreads, level=level)
