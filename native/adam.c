@@ -204,10 +204,9 @@ static int make_consts(const off_adam_hparams *hp, off__adam_consts *c)
     double bc2 = 1.0 - pow(hp->beta2, t);
     c->grad_scale = (float)(hp->maximize ? -hp->grad_scale : hp->grad_scale);
     c->mode = hp->weight_decay == 0.0 ? OFF__WD_NONE : hp->decoupled ? OFF__WD_DECOUPLED : OFF__WD_L2;
-    c->decay = (float)(1.0 - hp->lr * hp->weight_decay);
+    c->lr_wd = (float)(hp->lr * hp->weight_decay);
     c->l2 = (float)hp->weight_decay;
     c->one_minus_beta1 = (float)(1.0 - hp->beta1);
-    c->beta2 = (float)hp->beta2;
     c->one_minus_beta2 = (float)(1.0 - hp->beta2);
     c->bc2_sqrt = (float)sqrt(bc2);
     c->eps = (float)hp->eps;

@@ -44,13 +44,14 @@ INLINE void step8(const off__adam_consts *c, float *param, const void *grad, int
     __m256 g = _mm256_mul_ps(load_grad(grad, grad_dtype, i), _mm256_set1_ps(c->grad_scale));
     __m256 p = _mm256_loadu_ps(param + i);
     if (c->mode == OFF__WD_DECOUPLED)
-        p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+        p = _mm256_sub_ps(p, _mm256_mul_ps(_mm256_set1_ps(c->lr_wd), p));
     else if (c->mode == OFF__WD_L2)
         g = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(c->l2), p));
     __m256 m = _mm256_loadu_ps(exp_avg + i);
     m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta1), _mm256_sub_ps(g, m)));
-    __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(c->beta2), _mm256_loadu_ps(exp_avg_sq + i)),
-                             _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2), g), g));
+    __m256 v = _mm256_loadu_ps(exp_avg_sq + i);
+    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2),
+                                       _mm256_sub_ps(_mm256_mul_ps(g, g), v)));
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c->bc2_sqrt)),
                                  _mm256_set1_ps(c->eps));
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_size), m), denom));

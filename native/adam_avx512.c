@@ -43,13 +43,14 @@ INLINE void math16(const off__adam_consts *c, __m512 g, __m512 *pp, __m512 *mp, 
     g = _mm512_mul_ps(g, _mm512_set1_ps(c->grad_scale));
     __m512 p = *pp;
     if (c->mode == OFF__WD_DECOUPLED)
-        p = _mm512_mul_ps(p, _mm512_set1_ps(c->decay));
+        p = _mm512_sub_ps(p, _mm512_mul_ps(_mm512_set1_ps(c->lr_wd), p));
     else if (c->mode == OFF__WD_L2)
         g = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(c->l2), p));
     __m512 m = *mp;
     m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta1), _mm512_sub_ps(g, m)));
-    __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(c->beta2), *vp),
-                             _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta2), g), g));
+    __m512 v = *vp;
+    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta2),
+                                       _mm512_sub_ps(_mm512_mul_ps(g, g), v)));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c->bc2_sqrt)),
                                  _mm512_set1_ps(c->eps));
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_size), m), denom));

@@ -17,11 +17,10 @@
  */
 typedef struct off__adam_consts {
     float grad_scale;      /* applied to every gradient first (negated for maximize) */
-    float decay;           /* AdamW: param *= 1 - lr*wd */
+    float lr_wd;           /* AdamW: param -= (lr*wd) * param */
     float l2;              /* Adam: grad += wd*param */
     float one_minus_beta1; /* exp_avg.lerp_(grad, 1 - beta1) */
-    float beta2;
-    float one_minus_beta2;
+    float one_minus_beta2; /* exp_avg_sq.lerp_(grad*grad, 1 - beta2) */
     float bc2_sqrt;        /* sqrt(1 - beta2^step) */
     float eps;
     float step_size;       /* lr / (1 - beta1^step) */
