@@ -142,7 +142,8 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
     elif describe:
         raise _missing("--cpu-gflops", "to describe a CPU-only box (or --gpu-mem and --gpu-tflops)")
     else:
-        tflops, src["compute_tflops"] = _cpu_gflops(args.dtype) / 1000.0, "measured (CPU matmul)"
+        gflops, how = probe_cpu_gflops(args.model, args.dtype, args.seq_len, args.batch_tokens)
+        tflops, src["compute_tflops"] = gflops / 1000.0, f"measured ({how})"
     pcie = args.pcie_gbps
     if pcie is not None:
         src["pcie_gbps"] = "given"
@@ -281,10 +282,12 @@ def _measure_nvme(paths: list[str], notes: list[str]) -> tuple[float, float]:
 
 def _measure_adam(dtype: str, notes: list[str]) -> float:
     try:
-        import psutil
+        import inspect
+
         from .bench.adam import measure
-        r = measure(params=ADAM_PROBE_PARAMS, threads=psutil.cpu_count(logical=False) or 1,
-                    grad_dtype=dtype, out_dtype=dtype, repeats=3)
+        extra = {"with_torch": False} if "with_torch" in inspect.signature(measure).parameters else {}
+        r = measure(params=ADAM_PROBE_PARAMS, threads=None, grad_dtype=dtype,
+                    out_dtype="none" if dtype == "fp32" else dtype, repeats=3, **extra)
         return _number(r, "params_per_s", "offload.bench.adam.measure()")
     except Exception as exc:  # a missing or failing bench: say so, ask for the figure
         raise OffloadError(f"could not measure CPU Adam ({type(exc).__name__}: {exc}); "
@@ -333,13 +336,31 @@ def _pcie_gbps(cuda) -> float:
     return host.numel() / max(h2d, d2h) / 1e9
 
 
-def _cpu_gflops(dtype: str) -> float:
+def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None, batch_tokens: int | None) -> tuple[float, str]:
+    """Achieved CPU GFLOPS for this model: forward + backward of one of its decoder layers at up
+    to 4096 tokens when a layer is small enough to build here (it counts the norms, RoPE, SiLU and
+    attention that a bare matmul leaves out, which matter on small models), else a matmul of the
+    model's MLP shape capped at 4096 (a CPU-only 100B plan only needs the order of magnitude)."""
     import torch
 
-    n = 1024
+    from .models.llama import (LlamaDecoderLayer, _layer_matmul_params, _rope_tables, get_preset,
+                               layer_param_count)
+
+    cfg = get_preset(model)
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
-    return 2 * n**3 / _timed(lambda: torch.mm(a, b)) / 1e9
+    tokens = min(batch_tokens or 4096, 4096)
+    seq = min(seq_len or cfg.max_seq_len, tokens)
+    tokens = tokens // seq * seq
+    if layer_param_count(cfg) * 4 <= 256 << 20:
+        layer = LlamaDecoderLayer(cfg).to(tdtype)
+        x = torch.randn(tokens // seq, seq, cfg.hidden_size, dtype=tdtype, requires_grad=True)
+        cos, sin = _rope_tables(cfg, seq, "cpu", tdtype)
+        flops = (6 * _layer_matmul_params(cfg) + 12 * cfg.hidden_size * seq) * tokens
+        return flops / _timed(lambda: layer(x, cos, sin).float().sum().backward()) / 1e9, \
+            "one decoder layer, fwd + bwd"
+    m, k, n = min(tokens, 2048), min(cfg.hidden_size, 4096), min(cfg.intermediate_size, 4096)
+    a, b = torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype)
+    return 2 * m * k * n / _timed(lambda: torch.mm(a, b)) / 1e9, f"{m}x{k}x{n} matmul"
 
 
 # ------------------------------------------------------------------ output
