@@ -336,7 +336,8 @@ def _pcie_gbps(cuda) -> float:
     return host.numel() / max(h2d, d2h) / 1e9
 
 
-def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None, batch_tokens: int | None) -> tuple[float, str]:
+def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
+                     batch_tokens: int | None) -> tuple[float, str]:
     """Achieved CPU GFLOPS for this model: forward + backward of one of its decoder layers at up
     to 4096 tokens when a layer is small enough to build here (it counts the norms, RoPE, SiLU and
     attention that a bare matmul leaves out, which matter on small models), else a matmul of the
