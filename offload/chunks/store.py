@@ -67,6 +67,9 @@ class ChunkStore:
         self.lock = threading.RLock()
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
+        # Chunks that an operation in progress is moving: making room for one move (which may
+        # cascade into write-backs further down) must not evict the source of another.
+        self._protected: Counter = Counter()
 
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
@@ -293,8 +296,14 @@ class ChunkStore:
         return buf[: rec.nbytes].view(rec.dtype)[: rec.numel]
 
     def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
-        self._make_room(tier, rec.nbytes, rec.key)
-        return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
+        self._protected[rec.key] += 1
+        try:
+            self._make_room(tier, rec.nbytes, rec.key)
+            return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
+        finally:
+            self._protected[rec.key] -= 1
+            if not self._protected[rec.key]:
+                del self._protected[rec.key]
 
     def _next_hop(self, rec: ChunkRecord, target: str) -> tuple[str, str]:
         ti = self.order.index(target)
@@ -354,7 +363,8 @@ class ChunkStore:
         rec.nvme_valid = False
 
     def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
-        if rec.key == exclude or tier not in rec.buffers or rec.pins[tier] or rec.busy:
+        if rec.key == exclude or rec.key in self._protected or tier not in rec.buffers or rec.pins[tier] \
+                or rec.busy:
             return False
         # The last current copy may only leave if there is a tier below to write it to.
         return len(rec.valid) > 1 or self.order.index(tier) < len(self.order) - 1

@@ -15,6 +15,8 @@ import torch
 
 from ..errors import TierFullError
 
+HUGEPAGE = 2 << 20
+
 
 class MemoryTier:
     """A byte budget on one device with a size-keyed buffer pool.
@@ -86,7 +88,9 @@ class MemoryTier:
         if self.device.type == "cpu" and (self.aligned or self.pin):
             from ..aio import aligned_empty
 
-            return aligned_empty(nbytes, torch.uint8, pin=self.pin)
+            # Huge pages let 1 MiB O_DIRECT requests go through whole, but a buffer that is not a
+            # whole number of them would hold (and count in RSS) more than its budgeted bytes.
+            return aligned_empty(nbytes, torch.uint8, pin=self.pin, hugepage=nbytes % HUGEPAGE == 0)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def describe(self) -> dict:

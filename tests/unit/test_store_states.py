@@ -146,7 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert rec.valid, key      # some tier always holds the current bytes
 
 
-StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
 
 
