@@ -76,12 +76,26 @@ INLINE void step16(const off__adam_consts *c, float *param, const void *grad, in
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), narrow(p, out_dtype));
 }
 
+/* One 64-byte line ahead on each stream per 16 elements (the 16-bit gradient every 32). */
+INLINE void prefetch(const float *a, const void *g, size_t gsz, const float *b, const float *c,
+                     long long i)
+{
+    _mm_prefetch((const char *)(a + i + OFF__PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(b + i + OFF__PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(c + i + OFF__PREFETCH), _MM_HINT_T0);
+    if (gsz == 4 || (i & 31) == 0)
+        _mm_prefetch((const char *)g + (size_t)(i + OFF__PREFETCH) * gsz, _MM_HINT_T0);
+}
+
 INLINE void run(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                 float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
 {
     long long i = 0;
-    for (; i + 16 <= n; i += 16)
+    size_t gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
+    for (; i + 16 <= n; i += 16) {
+        prefetch(param, grad, gsz, exp_avg, exp_avg_sq, i);
         step16(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i);
+    }
     long long k = n - i;
     if (k == 0)
         return;
@@ -141,8 +155,10 @@ INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_bytes, 
                       int e_bytes, long long n)
 {
     long long i = 0;
-    for (; i + 16 <= n; i += 16)
+    for (; i + 16 <= n; i += 16) {
+        prefetch(a, d, (size_t)d_bytes, b, c, i);
         probe16(a, b, c, d, d_bytes, e, e_bytes, i);
+    }
     off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * (size_t)d_bytes, d_bytes,
                       e ? (char *)e + (size_t)i * 2 : e, e_bytes, n - i);
 }

@@ -8,6 +8,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 #include "common.h"
 
@@ -28,6 +31,11 @@ typedef struct off__adam_consts {
 } off__adam_consts;
 
 enum { OFF__WD_NONE = 0, OFF__WD_DECOUPLED = 1, OFF__WD_L2 = 2 };
+
+/* Software prefetch distance of the SIMD loops, in elements (2 KiB of each fp32 stream):
+ * with 4-5 streams per core the hardware prefetcher alone left ~20% of the bandwidth unused
+ * here, for Adam and for the roofline loop alike (both prefetch the same way). */
+#define OFF__PREFETCH 512
 
 /* One kernel over [0, n) of already-offset buffers; every level gives the same bits. */
 typedef void (*off__adam_kernel)(const off__adam_consts *c, float *param, const void *grad,

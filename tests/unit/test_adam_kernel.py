@@ -350,3 +350,21 @@ def test_simd_above_supported_per_call_is_an_error(monkeypatch):
     with pytest.raises(ConfigError) as info:
         adam_step(p, g, m, v, step=1, weight_decay=0.0, simd="avx2", **HP)
     assert info.value.field == "simd"
+
+
+# ---- the benchmark's JSON (a smoke test of its shape, not a timing) ---------------------
+
+def test_bench_measure_returns_the_documented_schema():
+    from offload.bench.adam import measure, parse_count
+
+    assert parse_count("200M") == 200_000_000 and parse_count("1.5k") == 1500
+    report = measure(params=50_000, threads=2, grad_dtype="bf16", out_dtype="bf16", repeats=1,
+                     levels=["scalar"])
+    assert {"params", "threads", "simd", "grad_dtype", "out_dtype", "bytes_per_param", "results",
+            "roofline_fraction"} <= report.keys()
+    assert report["bytes_per_param"] == 28 and report["simd"] == "scalar"
+    for side in ("offload", "torch_foreach", "roofline"):
+        assert report["results"][side]["params_per_s"] > 0
+        assert report["results"][side]["gbps"] > 0
+    with pytest.raises(ConfigError):
+        measure(params="lots")

@@ -1,0 +1,246 @@
+"""``offload bench adam``: CPU Adam parameters/s against torch and the memory roofline.
+
+One run, side by side, over the same preallocated and warmed buffers: ours at each SIMD level
+the CPU runs, ``torch.optim.AdamW(foreach=True)``, ``torch.optim.AdamW(fused=True)`` where the
+build has it, and the roofline — a native loop with Adam's streams and bytes per parameter
+(fp32 param/exp_avg/exp_avg_sq read and written, the gradient read, the low-precision copy
+written) and next to no arithmetic. Each repeat times every side once, in a rotating order
+(the memory bus drifts over minutes); rates are medians over repeats, and the ratios
+(``roofline_fraction``, ``speedup_vs_torch_fused``) are medians of the per-repeat ratios.
+
+The torch sides do what a torch user must for the same result: with bf16/fp16 gradients they
+first copy them into an fp32 ``.grad``, and with an out dtype they copy the updated parameters
+into a preallocated bf16/fp16 tensor after the step. ``gbps`` is the useful traffic
+(``bytes_per_param`` x params/s) for every side, so sides compare directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+
+import torch
+
+from .. import native
+from ..errors import ConfigError, OffloadError
+from ..optim.kernel import adam_step
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_COUNT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGbB]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+HPARAMS = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+class MemoryShortError(OffloadError, MemoryError):
+    """The benchmark's buffers would not fit in the memory available now."""
+
+
+def parse_count(value, field: str = "params") -> int:
+    """A parameter count: an int or ``"200M"``, ``"1.5G"``, ``"30k"`` (decimal units)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    else:
+        m = _COUNT_RE.match(str(value))
+        if not m:
+            raise ConfigError(field, value, "expected a count such as 200000000, '200M' or '1.5G'")
+        count = int(float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()])
+    if count < 1:
+        raise ConfigError(field, value, "must be at least 1")
+    return count
+
+
+def bytes_per_param(grad_dtype: str, out_dtype: str) -> int:
+    """Bytes Adam must move per parameter: fp32 param/m/v read and written, grad read, out written."""
+    grad = DTYPES[grad_dtype].itemsize
+    out = 0 if out_dtype == "none" else DTYPES[out_dtype].itemsize
+    return 12 + grad + 12 + out
+
+
+def bytes_needed(params: int, grad_dtype: str, out_dtype: str, with_torch: bool = True) -> int:
+    """Memory the run allocates: the shared buffers plus torch's fp32 grad copy and the
+    temporaries torch's foreach step allocates (about two parameter-sized fp32 tensors)."""
+    own = 12 + DTYPES[grad_dtype].itemsize + (0 if out_dtype == "none" else 2)
+    extra = 0
+    if with_torch:
+        extra += 0 if grad_dtype == "fp32" else 4
+        extra += 8
+    return params * (own + extra)
+
+
+def _check_memory(need: int) -> None:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if need > 0.85 * available:
+        raise MemoryShortError(
+            f"the benchmark needs about {need / 1e9:.1f} GB but only {available / 1e9:.1f} GB "
+            f"is available now (using at most 85% of it); pass a smaller --params")
+
+
+def _median_rate(times: list[float], params: int) -> float:
+    return params / statistics.median(times)
+
+
+def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: str = "fp32",
+            out_dtype: str = "none", repeats: int = 5, levels: list[str] | None = None,
+            with_torch: bool = True) -> dict:
+    """Run the benchmark and return the JSON dict (see the module doc and ``offload bench adam``).
+
+    ``params``: parameters per step. ``threads``: native and torch threads (None: physical
+    cores). ``levels``: SIMD levels to time (None: every level this CPU runs). ``with_torch``:
+    time the torch sides too (the planner may skip them).
+    """
+    params = parse_count(params)
+    if grad_dtype not in DTYPES:
+        raise ConfigError("grad_dtype", grad_dtype, "must be fp32, bf16 or fp16")
+    if out_dtype not in ("none", "bf16", "fp16"):
+        raise ConfigError("out_dtype", out_dtype, "must be none, bf16 or fp16")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError("repeats", repeats, "must be an int >= 1")
+    if threads is None:
+        threads = native.physical_cores()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError("threads", threads, "must be an int >= 1")
+    available = native.simd_available()
+    levels = list(reversed(available)) if levels is None else list(levels)
+    for level in levels:
+        if level not in available:
+            raise ConfigError("levels", level, f"this CPU runs {', '.join(available)}")
+    _check_memory(bytes_needed(params, grad_dtype, out_dtype, with_torch))
+
+    gen = torch.Generator().manual_seed(0)
+    param = torch.randn(params, generator=gen)
+    grad = (torch.randn(params, generator=gen) * 1e-3).to(DTYPES[grad_dtype])
+    exp_avg = torch.zeros(params)
+    exp_avg_sq = torch.zeros(params)
+    out = None if out_dtype == "none" else torch.empty(params, dtype=DTYPES[out_dtype])
+    grad_bytes = DTYPES[grad_dtype].itemsize
+    step = [0]
+
+    def ours(level):
+        def run():
+            step[0] += 1
+            adam_step(param, grad, exp_avg, exp_avg_sq, step=step[0], out=out, threads=threads,
+                      simd=level, **HPARAMS)
+        return run
+
+    def roofline():
+        native.stream_probe_raw(a=param.data_ptr(), b=exp_avg.data_ptr(), c=exp_avg_sq.data_ptr(),
+                                d=grad.data_ptr(), d_bytes=grad_bytes,
+                                e=out.data_ptr() if out is not None else 0,
+                                e_bytes=2 if out is not None else 0, n=params, threads=threads)
+
+    sides = {f"offload_{level}": ours(level) for level in levels}
+    sides["roofline"] = roofline
+    old_threads = torch.get_num_threads()
+    torch_sides = {}
+    if with_torch:
+        torch.set_num_threads(threads)
+        master = torch.nn.Parameter(param, requires_grad=True)
+        master.grad = grad if grad_dtype == "fp32" else torch.empty(params)
+
+        def torch_side(**kw):
+            opt = torch.optim.AdamW([master], lr=HPARAMS["lr"],
+                                    betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
+                                    eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], **kw)
+            state = opt.state[master]  # share our moments: no extra memory, same values
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = exp_avg
+            state["exp_avg_sq"] = exp_avg_sq
+
+            def run():
+                if grad_dtype != "fp32":
+                    master.grad.copy_(grad)
+                opt.step()
+                if out is not None:
+                    out.copy_(param)
+            return run
+
+        torch_sides["torch_foreach"] = torch_side(foreach=True)
+        try:
+            fused = torch_side(fused=True)
+            fused()  # builds without the CPU fused kernel fail here
+            torch_sides["torch_fused"] = fused
+        except (RuntimeError, NotImplementedError):
+            pass
+        sides.update(torch_sides)
+    try:
+        for run in sides.values():  # warm: touch every page, start the thread pools
+            run()
+        times = {name: [] for name in sides}
+        names = list(sides)
+        for r in range(repeats):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                t0 = time.perf_counter()
+                sides[name]()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old_threads)
+
+    bpp = bytes_per_param(grad_dtype, out_dtype)
+    results = {}
+    for name, ts in times.items():
+        rate = _median_rate(ts, params)
+        results[name] = {"params_per_s": rate, "gbps": rate * bpp / 1e9,
+                         "seconds": [round(t, 6) for t in ts]}
+    level = native.simd_level() if native.simd_level() in levels else levels[0]
+    results["offload"] = dict(results[f"offload_{level}"])
+    if with_torch and "torch_fused" not in results:
+        results["torch_fused"] = None
+    ours_t = times[f"offload_{level}"]
+
+    def paired(other: str) -> float:
+        # ratios within one repeat (sides timed back to back) shrug off the bus's drift
+        return statistics.median(o / t for o, t in zip(times[other], ours_t))
+
+    report = {
+        "params": params, "threads": threads, "simd": level, "grad_dtype": grad_dtype,
+        "out_dtype": out_dtype, "bytes_per_param": bpp, "repeats": repeats, "results": results,
+        "roofline_fraction": paired("roofline"),
+    }
+    if "torch_fused" in times:
+        report["speedup_vs_torch_fused"] = paired("torch_fused")
+    return report
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--params", default="200M",
+                        help="parameters per step: 200M, 1.5G or a plain count (default 200M)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for ours and torch (default: physical cores)")
+    parser.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--out-dtype", choices=("none", "bf16", "fp16"), default="none",
+                        help="also write the updated parameters in this dtype (default none)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median)")
+    parser.add_argument("--simd", action="append", choices=native.SIMD_LEVELS, default=None,
+                        help="time only this SIMD level (repeatable; default: every level the CPU runs)")
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
+
+
+def run(args) -> int:
+    report = measure(params=parse_count(args.params), threads=args.threads,
+                     grad_dtype=args.grad_dtype, out_dtype=args.out_dtype, repeats=args.repeats,
+                     levels=args.simd)
+    res = report["results"]
+    roof = res["roofline"]["params_per_s"]
+    print(f"CPU Adam: {report['params']:,} params, {report['threads']} threads, grad "
+          f"{report['grad_dtype']}, out {report['out_dtype']}, {report['bytes_per_param']} B/param, "
+          f"median of {report['repeats']}")
+    print(f"{'side':<18}{'Gparams/s':>10}{'GB/s':>8}{'of roofline':>13}")
+    for name, r in res.items():
+        if name == "offload" or r is None:
+            continue
+        print(f"{name:<18}{r['params_per_s'] / 1e9:>10.3f}{r['gbps']:>8.1f}"
+              f"{r['params_per_s'] / roof:>13.2f}")
+    line = f"offload ({report['simd']}): {report['roofline_fraction']:.2f} of roofline"
+    if "speedup_vs_torch_fused" in report:
+        line += f", {report['speedup_vs_torch_fused']:.2f}x torch fused"
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
