@@ -14,9 +14,19 @@ from .errors import (
 )
 from .native import native_info
 
+
+def __getattr__(name):
+    # The engine pulls in torch; import it only when used, so `import offload` stays light.
+    if name in ("wrap", "AdamW", "register_external_parameter"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW",
     "AioConfig",
     "ChecksumError",
     "ConfigError",
@@ -29,5 +39,7 @@ __all__ = [
     "TierFullError",
     "UnsupportedError",
     "native_info",
+    "register_external_parameter",
+    "wrap",
     "parse_bytes",
 ]

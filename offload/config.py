@@ -19,6 +19,7 @@ from .units import parse_bytes
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
+EVICTIONS = ("next_use", "lru")
 MIN_CHUNK_ELEMENTS = 1024
 DIRECT_IO_ALIGNMENT = 4096
 
@@ -103,6 +104,18 @@ class OffloadConfig:
     """Threads of the CPU Adam, or "auto" (physical cores)."""
     aio: AioConfig = field(default_factory=AioConfig)
     """NVMe I/O settings."""
+    gradient_accumulation_steps: int = 1
+    """Backward passes per optimizer step; the update overlaps only the last one's backward."""
+    overlap_optimizer: bool = True
+    """Run each chunk's Adam as soon as its gradients are complete (when the update allows it)."""
+    eviction: str = "next_use"
+    """Eviction policy: "next_use" (Belady, from the trace) or "lru"."""
+    pin_memory: bool = True
+    """Page-lock the CPU tier when computing on CUDA (fast asynchronous copies)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: the first dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """fp16 only: good steps before the loss scale doubles."""
 
     def __post_init__(self) -> None:
         _choice(self.device, "device", DEVICES)
@@ -119,6 +132,15 @@ class OffloadConfig:
         _int_in(self.prefetch_depth, "prefetch_depth", 0, 1024)
         if self.optimizer_threads != "auto":
             _int_in(self.optimizer_threads, "optimizer_threads", 1, 1024)
+        _int_in(self.gradient_accumulation_steps, "gradient_accumulation_steps", 1, 1 << 20)
+        for flag in ("overlap_optimizer", "pin_memory"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(flag, getattr(self, flag), "expected true or false")
+        _choice(self.eviction, "eviction", EVICTIONS)
+        scale = self.initial_loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (1.0 <= scale <= 2.0**32):
+            raise ConfigError("initial_loss_scale", scale, "must be a number between 1 and 2**32")
+        _int_in(self.loss_scale_window, "loss_scale_window", 1)
         if isinstance(self.aio, dict):
             _set(self, "aio", _from_mapping(AioConfig, self.aio, "aio."))
         if not isinstance(self.aio, AioConfig):

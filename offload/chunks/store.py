@@ -143,6 +143,26 @@ class ChunkStore:
                 return rec.incoming[dst][1]
             return self._start_move(rec, src, dst)
 
+    def prefetch(self, key: ChunkKey, tier: str) -> Move | None:
+        """Like ``fetch``, but only into free room or by evicting chunks needed later than ``key``.
+
+        Never waits and never raises for lack of room: a prefetch that cannot go now is skipped.
+        """
+        with self.lock:
+            rec = self.records.get(key)
+            if rec is None or rec.state is ChunkState.FREE or tier in rec.valid:
+                return None
+            if tier in rec.incoming:
+                return rec.incoming[tier][1]
+            src, dst = self._next_hop(rec, tier)
+            if dst in rec.incoming:
+                return rec.incoming[dst][1]
+            if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
+                limit = self.policy.rank(key) if self.policy.name == "next_use" else float("inf")
+                if not self._make_room(dst, rec.nbytes, key, later_than=limit):
+                    return None
+            return self._start_move(rec, src, dst)
+
     def ensure(self, key: ChunkKey, tier: str) -> None:
         """Bring a current copy of ``key`` onto ``tier`` and wait for it."""
         with self.lock:
@@ -152,12 +172,24 @@ class ChunkStore:
                     return
                 move.wait()
 
-    def access(self, key: ChunkKey, tier: str) -> torch.Tensor:
-        """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``."""
+    def access(self, key: ChunkKey, tier: str, *, overwrite: bool = False) -> torch.Tensor:
+        """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``.
+
+        ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
+        copy is fetched, the old contents are dropped, and the chunk counts as written.
+        """
         with self.lock:
             self._memory_tier(tier)
             rec = self._rec(key)
-            self.ensure(key, tier)
+            if overwrite and tier not in rec.valid:
+                self._settle(rec)
+                buf = self._allocate(tier, rec)
+                if rec.state is ChunkState.FREE:
+                    self._set_state(rec, ChunkState.HOLD)
+                rec.buffers[tier] = buf
+                self._modified(rec, tier)
+            else:
+                self.ensure(key, tier)
             rec.pins[tier] += 1
             if rec.state is ChunkState.HOLD:
                 self._set_state(rec, ChunkState.COMPUTE)
@@ -233,7 +265,7 @@ class ChunkStore:
             if rec.state is ChunkState.FREE:
                 self.initialize(key, tier, lambda v: v.copy_(data.reshape(-1)))
                 return
-            view = self.access(key, tier)
+            view = self.access(key, tier, overwrite=True)
             try:
                 view.copy_(data.reshape(-1))
             finally:
@@ -369,12 +401,18 @@ class ChunkStore:
         # The last current copy may only leave if there is a tier below to write it to.
         return len(rec.valid) > 1 or self.order.index(tier) < len(self.order) - 1
 
-    def _make_room(self, tier: str, nbytes: int, exclude: Hashable) -> None:
+    def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
+        """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
+        policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
         t = self.tiers[tier]
         while not t.can_allocate(nbytes):
+            candidates = [r.key for r in self.records.values() if self._evictable(r, tier, exclude)]
+            if later_than is not None:
+                candidates = [k for k in candidates if self.policy.rank(k) > later_than]
+                if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
+                    return False
             # Moves into this tier hold buffers; once they land, those chunks can be evicted.
             landing = [m for r in self.records.values() for d, (_, m) in r.incoming.items() if d == tier]
-            candidates = [r.key for r in self.records.values() if self._evictable(r, tier, exclude)]
             if not candidates and landing:
                 landing[0].wait()
                 continue
@@ -385,6 +423,7 @@ class ChunkStore:
                 self._evict(self.records[key], tier)
                 if t.can_allocate(nbytes):
                     break
+        return True
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.valid == {tier}:

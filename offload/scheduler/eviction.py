@@ -53,16 +53,18 @@ class LRUPolicy(EvictionPolicy):
 class NextUsePolicy(EvictionPolicy):
     """Belady: the chunk whose next use lies furthest ahead leaves first (needs a trace).
 
-    The clock is the position in the trace; ``on_access`` advances it. Without a trace (or
-    once the iteration runs past it) it behaves as LRU.
+    The clock is the position in the trace. With ``auto_advance`` every access advances it
+    (a store used on its own); an engine that knows the position (its prefetcher follows the
+    trace) sets ``position`` itself. Without a trace it behaves as LRU.
     """
 
     name = "next_use"
 
-    def __init__(self, trace: AccessTrace | None = None) -> None:
+    def __init__(self, trace: AccessTrace | None = None, *, auto_advance: bool = True) -> None:
         super().__init__()
         self.trace = trace
         self.position = 0
+        self.auto_advance = auto_advance
 
     def set_trace(self, trace: AccessTrace | None) -> None:
         self.trace = trace
@@ -73,7 +75,8 @@ class NextUsePolicy(EvictionPolicy):
 
     def on_access(self, key: Hashable) -> None:
         super().on_access(key)
-        self.position += 1
+        if self.auto_advance:
+            self.position += 1
 
     def rank(self, key: Hashable) -> float:
         if self.trace is None or len(self.trace) == 0:

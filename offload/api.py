@@ -1,0 +1,199 @@
+"""The drop-in surface: ``offload.wrap(model, config)`` and ``offload.AdamW(model.parameters(), ...)``.
+
+Two lines change in a normal PyTorch loop; ``loss.backward()``, ``optimizer.step()``,
+``optimizer.zero_grad()``, lr schedulers, ``state_dict()`` / ``load_state_dict()`` of both the
+model and the optimizer keep working. Parameters that were not wrapped are updated exactly as
+``offload.optim.CPUAdamW`` would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig
+from .engine import OffloadEngine
+from .errors import ConfigError, OffloadError
+from .optim.cpu_adam import CPUAdamW, _check_group, _check_param, _scalar_dtype
+
+
+def engine_of(p: torch.Tensor) -> OffloadEngine | None:
+    ref = getattr(p, "_offload_engine", None)
+    return ref() if ref is not None else None
+
+
+def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
+    """Move ``model``'s parameters into offloaded chunks and install the engine's hooks.
+
+    Returns the same module object. Its parameters keep their identity; their values now live in
+    the engine (``model.state_dict()`` gathers them). ``model.offload_stats()`` reports the last
+    step; ``model.offload_engine`` is the engine itself.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "expected a torch.nn.Module")
+    if any(engine_of(p) is not None for p in model.parameters()):
+        raise ConfigError("model", type(model).__name__, "is already wrapped by offload")
+    engine = OffloadEngine(model, config or OffloadConfig())
+    original_state_dict = model.state_dict
+    original_load = model.load_state_dict
+
+    def state_dict(*args, destination=None, prefix="", keep_vars=False):
+        engine.adam.drain()
+        sd = original_state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
+        values = engine.params.gather_all()
+        for k, v in list(sd.items()):
+            if id(v) in values:
+                sd[k] = values[id(v)]
+            elif not keep_vars and isinstance(v, torch.Tensor):
+                sd[k] = v.detach()
+        return sd
+
+    def load_state_dict(state: dict, strict: bool = True, assign: bool = False):
+        engine.adam.drain()
+        by_name = dict(model.named_parameters(remove_duplicate=False))
+        values, rest = {}, {}
+        for k, v in state.items():
+            p = by_name.get(k)
+            if p is not None and engine.params.owns(p):
+                if tuple(v.shape) != tuple(p.shape if p.numel() else engine.params.ref(p).slot.shape):
+                    raise ConfigError(k, tuple(v.shape), f"shape differs from the parameter's "
+                                                         f"{engine.params.ref(p).slot.shape}")
+                values[id(p)] = v
+            else:
+                rest[k] = v
+        missing = [n for n, p in by_name.items() if engine.params.owns(p) and id(p) not in values]
+        engine.params.scatter(values)
+        result = original_load(rest, strict=False, assign=assign)
+        missing_all = sorted(set(result.missing_keys) - set(by_name)) + missing
+        if strict and (missing_all or result.unexpected_keys):
+            raise OffloadError(f"load_state_dict: missing keys {missing_all}, unexpected keys "
+                               f"{list(result.unexpected_keys)}")
+        return torch.nn.modules.module._IncompatibleKeys(missing_all, list(result.unexpected_keys))
+
+    model.state_dict = state_dict
+    model.load_state_dict = load_state_dict
+    model.offload_engine = engine
+    model.offload_stats = engine.stats
+    return model
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Tell the engine that ``module``'s forward uses ``param`` although another module owns it."""
+    engine = engine_of(param)
+    if engine is None:
+        raise ConfigError("param", tuple(param.shape), "belongs to no wrapped model")
+    engine.register_external_parameter(module, param)
+
+
+class AdamW(CPUAdamW):
+    """AdamW for offloaded models (and, for any other CPU parameters, ``CPUAdamW``).
+
+    Same arguments as ``torch.optim.AdamW`` plus ``max_grad_norm``: clip the global gradient
+    norm to it every step (the update then waits for backward to end; say it here rather than
+    calling ``torch.nn.utils.clip_grad_norm_``, which cannot see offloaded gradients).
+    """
+
+    _decoupled_default = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, max_grad_norm: float | None = None, **kwargs):
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ConfigError("max_grad_norm", max_grad_norm, "must be a positive number or None")
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, **kwargs)
+        self._engines: list[OffloadEngine] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                e = engine_of(p)
+                if e is not None and e not in self._engines:
+                    self._engines.append(e)
+        for e in self._engines:
+            e.attach_optimizer(self)
+
+    def _wrapped(self, p) -> bool:
+        return engine_of(p) is not None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            _check_group(group)
+            for p in group["params"]:
+                if not self._wrapped(p):
+                    _check_param(p, index)
+                index += 1
+        for e in self._engines:
+            e.step()
+        for group in self.param_groups:
+            plain = [p for p in group["params"] if not self._wrapped(p)]
+            if plain:
+                self._step_group({**group, "params": plain})
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for e in self._engines:
+            e.zero_grad()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's global gradient norm to ``max_norm``; returns the norm before clipping.
+
+        Call it between ``loss.backward()`` and ``optimizer.step()``. With ``overlap_optimizer``
+        the update may already have run during backward: pass ``max_grad_norm`` to the
+        constructor instead, which keeps the update waiting for the norm every step.
+        """
+        if any(e.updated_chunks for e in self._engines):
+            raise OffloadError("clip_grad_norm_ came after the update already ran during backward; "
+                               "pass max_grad_norm=... to offload.AdamW(...) instead")
+        self.max_grad_norm = float(max_norm)
+        norms = [e.grad_norm() for e in self._engines]
+        return torch.tensor(sum(n * n for n in norms) ** 0.5)
+
+    # ---- state dicts interchangeable with torch.optim.AdamW ----------------------------------
+    def _indexed(self):
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield i, p
+                i += 1
+
+    def state_dict(self):
+        sd = super().state_dict()
+        for i, p in self._indexed():
+            e = engine_of(p)
+            if e is None:
+                continue
+            e.adam.drain()
+            ref = e.params.ref(p)
+            steps = e.adam.steps[ref.index]
+            if steps == 0:
+                continue
+            sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()),
+                              "exp_avg": e.params.gather(p, "exp_avg"),
+                              "exp_avg_sq": e.params.gather(p, "exp_avg_sq")}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict["state"])
+        mine = {}
+        for i, p in self._indexed():
+            e = engine_of(p)
+            if e is not None and i in state:
+                mine[i] = (p, e, state.pop(i))
+        super().load_state_dict({**state_dict, "state": state})
+        for i, (p, e, st) in mine.items():
+            e.adam.drain()
+            ref = e.params.ref(p)
+            e.adam.steps[ref.index] = int(float(st["step"]))
+            for kind in ("exp_avg", "exp_avg_sq"):
+                key = (kind, ref.slot.chunk)
+                chunk = e.store.read(key) if e.store.records[key].state.name != "FREE" else \
+                    torch.zeros(e.layout.chunk_size, dtype=torch.float32)
+                chunk[ref.slot.offset:ref.slot.end].copy_(st[kind].reshape(-1).float())
+                e.store.write(key, chunk)

@@ -1,0 +1,435 @@
+"""The engine: one wrapped model's chunks, hooks, gradient capture, prefetch and optimizer steps.
+
+The training loop reads like the paper: each module's chunks are pinned on the compute device
+just before its forward (and again before its backward), the trace of the first iteration says
+which chunks come next so they are fetched ahead (``prefetch(j + 1); compute(j); evict(j - 1)``),
+each parameter's gradient is added into its chunk's fp32 gradient buffer the moment autograd
+produces it, and a chunk whose gradients are complete goes to the CPU Adam while backward
+continues — or, when the update needs every gradient first (global-norm clipping, fp16 overflow
+checks, a micro-batch that is not the last of its accumulation window), at ``optimizer.step()``
+with the same per-chunk pipeline. Both orders give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from ..chunks import ChunkLayout, ChunkStore
+from ..chunks.layout import DEFAULT_MAX_CHUNK
+from ..config import OffloadConfig
+from ..errors import ConfigError, OffloadError
+from ..scheduler import LRUPolicy, NextUsePolicy, TracePrefetcher
+from ..tiers import MemoryTier, NvmeTier, resolve_budgets
+from ..tiers.budgets import compute_device
+from ..tracer import Tracer
+from .hooks import map_tensors, wrap_for_backward
+from .params import DTYPES, ChunkedParams
+from .stepper import ChunkAdam, LossScaler, ScaleGrad, hyper_of
+
+# The device tier must hold a few parameter chunks plus the fp32 gradient chunks being filled,
+# and the CPU tier one chunk's grad, master, exp_avg, exp_avg_sq and parameters plus prefetches:
+# "auto" chunk sizes are capped so that this many fp32 chunks fit in each budget.
+CHUNKS_PER_DEVICE_BUDGET = 8
+CHUNKS_PER_CPU_BUDGET = 12
+
+
+class OffloadEngine:
+    def __init__(self, model: nn.Module, config: OffloadConfig):
+        self.model = model
+        self.config = config
+        self.device = compute_device(config)
+        self.dtype = DTYPES[config.dtype]
+        self.tracer = Tracer()
+        device_budget, cpu_budget = resolve_budgets(config, self.device)
+        named = [(n, p) for n, p in model.named_parameters()]
+        if not named:
+            raise ConfigError("model", type(model).__name__, "has no parameters to offload")
+        for name, p in named:
+            if not p.is_floating_point():
+                raise ConfigError("model", name, f"parameter dtype {p.dtype} is not floating point")
+        max_chunk = max(2048, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
+                                  cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
+        self.layout = ChunkLayout.build([(n, p.shape) for n, p in named], config.chunk_size, max_chunk=max_chunk)
+        self.policy = NextUsePolicy(auto_advance=False) if config.eviction == "next_use" else LRUPolicy()
+        tiers = [MemoryTier("device", device_budget, self.device),
+                 MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
+                            pin=self.device.type == "cuda" and config.pin_memory)]
+        if config.nvme_paths is not None:
+            tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
+        self.store = ChunkStore(tiers, self.policy)
+        self.prefetcher = TracePrefetcher(config.prefetch_depth)
+        self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
+                                    on_unpinned=self._on_unpinned, tracer=self.tracer)
+        self.params.register_chunks()
+        n, size = self.layout.num_chunks, self.layout.chunk_size
+        for kind in ("grad", "exp_avg", "exp_avg_sq"):
+            self.store.register(kind, n, size, torch.float32)
+        self.params.fill_from_model("cpu")
+        self._move_buffers()
+        for _, p in named:
+            p._offload_engine = weakref.ref(self)
+        threads = None if config.optimizer_threads == "auto" else config.optimizer_threads
+        self.adam = ChunkAdam(self, threads)
+        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
+        self.optimizer = None
+        self._grad_expected = [sum(p.requires_grad for p in m) for m in self.params.chunk_members]
+        self._reset_window()
+        self._bwd_reset()
+        self._install_hooks()
+        self.step_count = 0
+        self.last_stats: dict = {}
+        self._closed = False
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _move_buffers(self) -> None:
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                dtype = self.dtype if buf.is_floating_point() else buf.dtype
+                module._buffers[name] = buf.to(self.device, dtype)
+
+    def _install_hooks(self) -> None:
+        """Hook every module that owns parameters (and the root).
+
+        A module's *pin set* is its own parameters plus, until its first forward has shown
+        otherwise, those of its descendants: some modules use a child's parameters without
+        calling the child (``nn.MultiheadAttention`` reads ``out_proj.weight``). After the first
+        call, descendants whose own forward ran inside it are dropped from the set.
+        """
+        self.pin_sets: dict[nn.Module, list[nn.Parameter]] = {}
+        self.module_chunks: dict[nn.Module, list[int]] = {}
+        self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
+        self.param_modules: dict[int, list[nn.Module]] = defaultdict(list)
+        self.discovering: set[nn.Module] = set()
+        self.called_within: dict[nn.Module, set[nn.Module]] = defaultdict(set)
+        self.active: list[nn.Module] = []
+        self.fwd_pinned: list[tuple[nn.Module, list[int]]] = []
+        self._handles = []
+        budget_elems = self.store.tiers["device"].budget // (2 * self.params.dtype.itemsize)
+        for module in self.model.modules():
+            own = self._own_params(module)
+            if not own and module is not self.model:
+                continue
+            pin_set = list(own)
+            if module is not self.model:
+                below = [q for d in module.modules() if d is not module for q in self._own_params(d)]
+                if below and sum(q.numel() for q in below) <= budget_elems:
+                    pin_set = list(dict.fromkeys(own + below))
+                    self.discovering.add(module)
+            self.module_params[module] = own
+            self._set_pin_set(module, pin_set)
+            for p in own:
+                self.param_modules[id(p)].append(module)
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+        for p in self.params.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _own_params(self, module: nn.Module) -> list[nn.Parameter]:
+        own = list(module.parameters(recurse=False)) + list(getattr(module, "_offload_external", []))
+        return [p for p in dict.fromkeys(own) if self.params.owns(p)]
+
+    def _set_pin_set(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.pin_sets[module] = params
+        self.module_chunks[module] = sorted({self.params.ref(p).slot.chunk for p in params})
+
+    def _finish_discovery(self, module: nn.Module) -> None:
+        called = self.called_within.pop(module, set())
+        keep = list(self.module_params[module])
+        for d in module.modules():
+            if d is not module and d not in called:
+                keep += self._own_params(d)
+        self._set_pin_set(module, list(dict.fromkeys(keep)))
+        self.discovering.discard(module)
+
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Make ``module``'s hooks also fetch ``param`` (a parameter it uses but does not own)."""
+        if not self.params.owns(param):
+            raise ConfigError("param", tuple(param.shape), "is not a parameter of the wrapped model")
+        ext = list(getattr(module, "_offload_external", []))
+        if any(q is param for q in ext):
+            return
+        ext.append(param)
+        module._offload_external = ext
+        for h in self._handles:
+            h.remove()
+        self._install_hooks()
+
+    # ---- forward --------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self.model and not self.in_backward:
+            self._begin_iteration()
+        chunks = self.module_chunks[module]
+        for c in chunks:
+            self.params.pin(c)
+        if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
+            self.bwd_pins[module] += 1
+            self.bwd_remaining.setdefault(module, self._grad_count(module))
+            return
+        for outer in self.active:
+            if outer in self.discovering:
+                self.called_within[outer].add(module)
+        self.active.append(module)
+        self.fwd_pinned.append((module, chunks))
+
+    def _post_forward(self, module: nn.Module, args, output):
+        if self.in_backward:
+            return output
+        for i in range(len(self.fwd_pinned) - 1, -1, -1):
+            if self.fwd_pinned[i][0] is module:
+                _, chunks = self.fwd_pinned.pop(i)
+                break
+        else:
+            chunks = []
+        if module in self.active:
+            self.active.remove(module)
+        for c in chunks:
+            self.params.unpin(c)
+        if module in self.discovering:
+            self._finish_discovery(module)
+        if torch.is_grad_enabled():
+            output = wrap_for_backward(output, lambda m=module: self._pre_backward(m))
+            if module is self.model and self.scaler is not None:
+                output = map_tensors(output, self._scale_if_needed)
+        return output
+
+    def _scale_if_needed(self, t: torch.Tensor) -> torch.Tensor:
+        return ScaleGrad.apply(self.scaler, t) if t.requires_grad and t.is_floating_point() else t
+
+    def _begin_iteration(self) -> None:
+        self.active.clear()
+        self.fwd_pinned.clear()
+        if self.window_applied:
+            raise OffloadError(
+                "a new forward started after backward already applied an optimizer update that "
+                "optimizer.step() has not committed: call optimizer.step() after each backward, or "
+                "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
+        self.prefetcher.begin_iteration()
+        if isinstance(self.policy, NextUsePolicy):
+            self.policy.set_trace(self.prefetcher.trace)
+
+    def _on_pin(self, c: int, hit: bool) -> None:
+        self.prefetcher.record_hit(hit)
+        upcoming = self.prefetcher.on_access(("param", c))
+        if isinstance(self.policy, NextUsePolicy):
+            self.policy.position = self.prefetcher.position
+        for key in upcoming:
+            self.store.prefetch(key, "device")
+
+    # ---- backward ----------------------------------------------------------------------
+    def _grad_count(self, module: nn.Module) -> int:
+        return sum(p.requires_grad for p in self.module_params[module])
+
+    def _pre_backward(self, module: nn.Module) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        for c in self.module_chunks[module]:
+            self.params.pin(c)
+        self.bwd_pins[module] += 1
+        self.bwd_remaining.setdefault(module, self._grad_count(module))
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        self.final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
+        self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
+                      and self.optimizer.max_grad_norm is None and self.final_micro_batch)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        g = p.grad
+        if g is None:
+            return
+        p.grad = None
+        ref = self.params.ref(p)
+        c = ref.slot.chunk
+        if c not in self.grad_views:
+            key = ("grad", c)
+            if self.store.records[key].state.name == "FREE":
+                self.store.initialize(key, "device")
+            self.grad_views[c] = self.store.access(key, "device")
+        self.grad_views[c][ref.slot.offset:ref.slot.end].add_(g.reshape(-1))
+        self.with_grad.add(ref.index)
+        self.grad_chunks.add(c)
+        self.bwd_grads[c] += 1
+        if self.bwd_grads[c] == self._grad_expected[c]:
+            self._finish_grad_chunk(c)
+        for module in self.param_modules[id(p)]:
+            if module in self.bwd_remaining:
+                self.bwd_remaining[module] -= 1
+                if self.bwd_remaining[module] <= 0:
+                    self._release_backward_pins(module)
+
+    def _finish_grad_chunk(self, c: int) -> None:
+        view = self.grad_views.pop(c)
+        if self.scaler is not None or self.optimizer_clips():
+            self.sumsq[c] = view.float().pow(2).sum()
+        self.store.release(("grad", c), "device", dirty=True)
+        if self.eager:
+            self.window_applied = True
+            self.ready.add(c)
+            if self.params.pins[c] == 0:
+                self._submit(c)
+
+    def _submit(self, c: int) -> None:
+        # The update rewrites chunk c's parameters on the CPU: only once nothing uses them on the device.
+        self.ready.discard(c)
+        self.updated_chunks.add(c)
+        self.adam.submit(c, self._runs(c), 1.0)
+
+    def _on_unpinned(self, c: int) -> None:
+        if c in self.ready:
+            self._submit(c)
+
+    def optimizer_clips(self) -> bool:
+        return self.optimizer is not None and self.optimizer.max_grad_norm is not None
+
+    def _release_backward_pins(self, module: nn.Module) -> None:
+        for _ in range(self.bwd_pins.pop(module, 0)):
+            for c in self.module_chunks[module]:
+                self.params.unpin(c)
+        self.bwd_remaining.pop(module, None)
+
+    def _end_backward(self) -> None:
+        for c in list(self.grad_views):
+            self._finish_grad_chunk(c)
+        for module in list(self.bwd_pins):
+            self._release_backward_pins(module)
+        self.params.unpin_all()
+        for c in sorted(self.ready):
+            self._submit(c)
+        self.micro_batches += 1
+        self._bwd_reset()
+
+    def _bwd_reset(self) -> None:
+        self.in_backward = False
+        self.eager = False
+        self.final_micro_batch = False
+        self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
+        self.bwd_remaining: dict[nn.Module, int] = {}
+        self.bwd_grads: dict[int, int] = defaultdict(int)
+        self.grad_views: dict[int, torch.Tensor] = {}
+
+    def _reset_window(self) -> None:
+        self.micro_batches = 0
+        self.with_grad: set[int] = set()
+        self.grad_chunks: set[int] = set()
+        self.updated_chunks: set[int] = set()
+        self.ready: set[int] = set()
+        self.sumsq: dict[int, torch.Tensor] = {}
+        self.window_applied = False
+
+    # ---- optimizer --------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer) -> None:
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise ConfigError("optimizer", type(optimizer).__name__,
+                              "this model already has an offload optimizer; create one per wrapped model")
+        self.optimizer = optimizer
+        self._group_of = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if self.params.owns(p):
+                    self._group_of[self.params.ref(p).index] = gi
+
+    def _hypers(self) -> dict[int, object]:
+        groups = [hyper_of(g) for g in self.optimizer.param_groups]
+        return {i: groups[gi] for i, gi in self._group_of.items()}
+
+    def _runs(self, c: int):
+        with_grad = {i for i in self.with_grad if i in self._group_of}
+        return self.adam.runs(c, with_grad, self._hypers())
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (unscaled) gradients of this accumulation window."""
+        total = sum(float(v) for v in self.sumsq.values()) if self.sumsq else 0.0
+        norm = math.sqrt(total) if math.isfinite(total) else float("inf")
+        return norm / self.scaler.scale if self.scaler is not None else norm
+
+    def step(self) -> bool:
+        """Finish this window's update; returns False when an fp16 overflow skipped it."""
+        if self.optimizer is None:
+            raise OffloadError("no offload optimizer is attached to this model")
+        self.adam.drain()
+        applied = True
+        overflow = self.scaler is not None and not math.isfinite(self.grad_norm())
+        if overflow:
+            applied = False
+        else:
+            scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+            max_norm = self.optimizer.max_grad_norm
+            if max_norm is not None:
+                norm = self.grad_norm()
+                self.optimizer.last_grad_norm = norm
+                scale *= min(1.0, max_norm / (norm + 1e-6))
+            todo = sorted(self.grad_chunks - self.updated_chunks)
+            depth = max(1, self.config.prefetch_depth)
+            for i, c in enumerate(todo):
+                for nxt in todo[i + 1:i + 1 + depth]:
+                    self.adam.prefetch(nxt)
+                self.adam.update(c, self._runs(c), scale)
+            self.adam.commit_steps({i for i in self.with_grad if i in self._group_of})
+            self.step_count += 1
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        self._finish_step_stats(applied)
+        self.window_applied = False
+        self.micro_batches = 0
+        self.updated_chunks = set()
+        self.sumsq_after_step = True
+        return applied
+
+    def zero_grad(self) -> None:
+        self.adam.drain()
+        for c in range(self.layout.num_chunks):
+            rec = self.store.records[("grad", c)]
+            if rec.state.name != "FREE":
+                self.store.release_storage(("grad", c))
+        self._reset_window()
+
+    # ---- statistics --------------------------------------------------------------------------
+    def _finish_step_stats(self, applied: bool) -> None:
+        totals = self.tracer.take_totals()
+        hits, misses = self.prefetcher.hits, self.prefetcher.misses
+        self.last_stats = {
+            "step": self.step_count,
+            "applied": applied,
+            "moved_bytes": self.store.memory_report()["moved_bytes"],
+            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "chunk_fetches": hits + misses,
+            "wait_s": totals.get("wait", 0.0),
+            "optimizer_s": totals.get("adam", 0.0),
+            "optimizer_wait_s": totals.get("optimizer_wait", 0.0),
+            "retraces": self.prefetcher.retraces,
+            "loss_scale": self.scaler.scale if self.scaler is not None else None,
+        }
+        self.prefetcher.hits = self.prefetcher.misses = 0
+        self.store.reset_counters()
+        self.tracer.dump()
+
+    def stats(self) -> dict:
+        """Statistics of the last optimizer step plus the current memory report."""
+        return {**self.last_stats, "memory": self.store.memory_report(),
+                "layout": {"chunks": self.layout.num_chunks, "chunk_size": self.layout.chunk_size,
+                           "params": self.layout.total_params}}
+
+    def close(self) -> None:
+        """Stop the worker and delete the NVMe swap files (the model's values are gone with them)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.adam.close()
+        nvme = self.store.tiers.get("nvme")
+        if nvme is not None:
+            nvme.close(remove=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,61 @@
+"""Module hooks: fetch a module's chunks before its forward and its backward, release them after.
+
+Forward: a pre-hook pins the module's chunks on the compute device (their parameters' ``.data``
+become views), a post-hook unpins them. Backward: the post-hook wraps the module's outputs in an
+identity autograd function whose backward runs just before the module's own backward and pins
+the chunks again; they are released once every parameter of the module has its gradient (or
+when the whole backward ends). ``torch.utils.checkpoint`` re-runs forward inside backward: pins
+taken then are tied to the backward and released the same way, so a recompute that stops early
+(and never reaches its post-hook) leaks nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+
+class PreBackward(torch.autograd.Function):
+    """Identity on the way forward; on the way back, calls ``hook`` before the module's backward."""
+
+    @staticmethod
+    def forward(ctx, hook, *tensors):
+        ctx.hook = hook
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):          # namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        for k in list(obj.keys()):
+            obj[k] = map_tensors(obj[k], fn)
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            object.__setattr__(obj, f.name, map_tensors(getattr(obj, f.name), fn))
+        return obj
+    return obj
+
+
+def wrap_for_backward(output: Any, hook: Callable[[], None]) -> Any:
+    """Route the gradients of ``output``'s differentiable tensors through one ``PreBackward``."""
+    tensors: list[torch.Tensor] = []
+    map_tensors(output, lambda t: tensors.append(t) or t)
+    wanted = [t for t in tensors if t.requires_grad and t.is_floating_point()]
+    if not wanted:
+        return output
+    wrapped = dict(zip(map(id, wanted), PreBackward.apply(hook, *wanted)))
+    return map_tensors(output, lambda t: wrapped.get(id(t), t))

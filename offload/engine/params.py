@@ -1,0 +1,146 @@
+"""Parameters as views into chunks: the layout, the initial fill, and per-chunk pins on the device.
+
+A ``nn.Parameter`` keeps its identity for the whole run; only its ``.data`` changes. While its
+chunk is pinned on the compute device, ``.data`` is a view into the chunk's device buffer;
+otherwise it is a zero-element placeholder of the right dtype and device, so a use outside the
+engine's control fails loudly instead of reading stale memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..chunks import ChunkLayout, ChunkStore, ParamSlot
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class ParamRef:
+    index: int          # position in layout order (also the optimizer-state index)
+    name: str
+    slot: ParamSlot
+
+
+class ChunkedParams:
+    """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
+                 compute_dtype: torch.dtype, device: torch.device, on_pin=None, on_unpinned=None, tracer=None):
+        self.layout = layout
+        self.store = store
+        self.dtype = compute_dtype
+        self.device = device
+        self.has_master = compute_dtype != torch.float32
+        self.params: list[nn.Parameter] = [p for _, p in named]
+        self.refs: dict[int, ParamRef] = {}
+        for i, (name, p) in enumerate(named):
+            self.refs[id(p)] = ParamRef(i, name, layout.slot(name))
+        self.chunk_members: list[list[nn.Parameter]] = [[] for _ in range(layout.num_chunks)]
+        for p in self.params:
+            self.chunk_members[self.refs[id(p)].slot.chunk].append(p)
+        self.pins = [0] * layout.num_chunks
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
+        self.on_pin = on_pin            # callback(chunk, hit: bool) for prefetch statistics
+        self.tracer = tracer
+        self.on_unpinned = on_unpinned  # callback(chunk) when its last pin goes
+
+    def ref(self, p: nn.Parameter) -> ParamRef:
+        return self.refs[id(p)]
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return id(p) in self.refs
+
+    def register_chunks(self) -> None:
+        n, size = self.layout.num_chunks, self.layout.chunk_size
+        self.store.register("param", n, size, self.dtype)
+        if self.has_master:
+            self.store.register("master", n, size, torch.float32)
+
+    def fill_from_model(self, tier: str) -> None:
+        """Copy each parameter's current values into its chunks, chunk by chunk, then drop them.
+
+        Only one chunk's worth of new storage exists at a time beyond what the tiers hold, so a
+        model can be moved in even when its chunks do not all fit in memory at once.
+        """
+        for c, members in enumerate(self.chunk_members):
+            values = {id(p): p.data for p in members}
+
+            def fill(view, kind_dtype, values=values, members=members):
+                for p in members:
+                    s = self.ref(p).slot
+                    view[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(kind_dtype))
+
+            self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
+            if self.has_master:
+                self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
+            for p in members:
+                p.data = self._placeholder
+
+    # ---- pins on the compute device ---------------------------------------
+    def pin(self, c: int) -> None:
+        if self.pins[c] == 0:
+            hit = "device" in self.store.records[("param", c)].valid
+            if self.tracer is not None:
+                with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
+                    view = self.store.access(("param", c), "device")
+            else:
+                view = self.store.access(("param", c), "device")
+            for p in self.chunk_members[c]:
+                s = self.ref(p).slot
+                p.data = view[s.offset:s.end].view(s.shape)
+            if self.on_pin is not None:
+                self.on_pin(c, hit)
+        self.pins[c] += 1
+
+    def unpin(self, c: int) -> None:
+        if self.pins[c] <= 0:
+            return
+        self.pins[c] -= 1
+        if self.pins[c] == 0:
+            for p in self.chunk_members[c]:
+                p.data = self._placeholder
+            self.store.release(("param", c), "device")
+            if self.on_unpinned is not None:
+                self.on_unpinned(c)
+
+    def unpin_all(self) -> None:
+        for c in range(len(self.pins)):
+            while self.pins[c]:
+                self.unpin(c)
+
+    # ---- values (state_dict) ------------------------------------------------
+    def gather(self, p: nn.Parameter, kind: str | None = None) -> torch.Tensor:
+        """A CPU copy of one parameter's values (fp32 master when there is one)."""
+        kind = kind or ("master" if self.has_master else "param")
+        s = self.ref(p).slot
+        return self.store.read((kind, s.chunk))[s.offset:s.end].view(s.shape).clone()
+
+    def gather_all(self) -> dict[int, torch.Tensor]:
+        """Every parameter's values, reading each chunk once: ``{id(param): tensor}``."""
+        kind = "master" if self.has_master else "param"
+        out = {}
+        for c, members in enumerate(self.chunk_members):
+            chunk = self.store.read((kind, c))
+            for p in members:
+                s = self.ref(p).slot
+                out[id(p)] = chunk[s.offset:s.end].view(s.shape).clone()
+        return out
+
+    def scatter(self, values: dict[int, torch.Tensor]) -> None:
+        """Write new values (``{id(param): tensor}``) into the param and master chunks."""
+        by_chunk: dict[int, list] = {}
+        for p in self.params:
+            if id(p) in values:
+                by_chunk.setdefault(self.ref(p).slot.chunk, []).append(p)
+        for c, members in by_chunk.items():
+            kinds = [("param", self.dtype)] + ([("master", torch.float32)] if self.has_master else [])
+            for kind, dtype in kinds:
+                chunk = self.store.read((kind, c))
+                for p in members:
+                    s = self.ref(p).slot
+                    chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(dtype))
+                self.store.write((kind, c), chunk)

@@ -1,0 +1,204 @@
+"""The per-chunk optimizer: native Adam over each chunk's fp32 master, exp_avg and exp_avg_sq.
+
+For chunk ``c`` it pins grad/master/exp_avg/exp_avg_sq on the CPU tier (their fetches were
+started ahead), runs the SIMD kernel over runs of parameters that share hyper-parameters and
+step count, writes the new compute-precision parameters into the CPU parameter chunk in the
+same pass, and unpins (the store writes state back down when a tier needs the room). A worker
+thread runs updates while backward is still producing gradients for earlier layers (LoHan's
+active gradient offloading); ``drain`` waits for it and re-raises its first error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import OffloadError
+from ..optim.kernel import adam_step
+
+STATE_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, slots=True)
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool
+
+
+def hyper_of(group: dict) -> Hyper:
+    lr = group["lr"]
+    lr = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+    b1, b2 = group["betas"]
+    return Hyper(lr, float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                 bool(group.get("decoupled_weight_decay", True)), bool(group.get("maximize", False)))
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16: halve on overflow (and skip the step), double after a run of good steps."""
+
+    def __init__(self, initial: float = 2.0**16, growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale = float(initial)
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            self.skipped += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.good_steps = 0
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by the loss scale on the way back."""
+
+    @staticmethod
+    def forward(ctx, scaler, t):
+        ctx.scaler = scaler
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad * ctx.scaler.scale
+
+
+class ChunkAdam:
+    """Runs Adam on whole chunks, inline or on a worker thread."""
+
+    def __init__(self, engine, threads: int | None):
+        self.engine = engine
+        self.store = engine.store
+        self.threads = threads
+        self.steps = [0] * len(engine.params.params)     # per parameter, as torch counts them
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ---- one chunk -------------------------------------------------------------
+    def runs(self, c: int, with_grad: set[int], groups: dict[int, Hyper]) -> list[tuple[int, int, Hyper, int]]:
+        """(start, end, hyper, step) runs of consecutive parameters of chunk ``c`` updated together.
+
+        A parameter without a gradient this step is skipped, as torch skips it; padding between
+        merged parameters holds zeros in every kind, which Adam maps to zeros.
+        """
+        out: list[list] = []
+        params = self.engine.params
+        for p in params.chunk_members[c]:
+            ref = params.ref(p)
+            if ref.index not in with_grad:
+                out.append(None)
+                continue
+            h, step = groups[ref.index], self.steps[ref.index] + 1
+            last = out[-1] if out else None
+            if last is not None and last[2] == h and last[3] == step:
+                last[1] = ref.slot.end
+            else:
+                out.append([ref.slot.offset, ref.slot.end, h, step])
+        return [tuple(r) for r in out if r is not None]
+
+    def prefetch(self, c: int) -> None:
+        """Start bringing chunk ``c``'s optimizer inputs to the CPU tier (asynchronous)."""
+        kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
+        for kind in kinds:
+            self.store.prefetch((kind, c), "cpu")
+
+    def update(self, c: int, runs, grad_scale: float) -> None:
+        if not runs:
+            return
+        store, params = self.store, self.engine.params
+        tracer = self.engine.tracer
+        master_kind = "master" if params.has_master else "param"
+        pinned = []
+        try:
+            with tracer.span(f"fetch opt {c}", "optimizer_wait", chunk=c):
+                grad = store.access(("grad", c), "cpu")
+                pinned.append((("grad", c), False))
+                master = store.access((master_kind, c), "cpu")
+                pinned.append(((master_kind, c), True))
+                states = []
+                for kind in STATE_KINDS:
+                    key = (kind, c)
+                    if store.records[key].state.name == "FREE":
+                        store.initialize(key, "cpu")          # torch creates zeros at the first step
+                    states.append(store.access(key, "cpu"))
+                    pinned.append((key, True))
+                out = None
+                if params.has_master:
+                    out = store.access(("param", c), "cpu", overwrite=True)
+                    pinned.append((("param", c), True))
+            with tracer.span(f"adam {c}", "adam", chunk=c):
+                for start, end, h, step in runs:
+                    adam_step(master[start:end], grad[start:end], states[0][start:end], states[1][start:end],
+                              lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
+                              step=step, decoupled=h.decoupled, grad_scale=grad_scale, maximize=h.maximize,
+                              out=None if out is None else out[start:end], threads=self.threads)
+                if out is not None and runs:
+                    # Parameters skipped this step keep their values in the rewritten chunk.
+                    self._copy_skipped(c, master, out, runs)
+        finally:
+            for key, dirty in reversed(pinned):
+                store.release(key, "cpu", dirty=dirty)
+
+    def _copy_skipped(self, c, master, out, runs) -> None:
+        covered = torch.zeros(out.numel(), dtype=torch.bool)
+        for start, end, _, _ in runs:
+            covered[start:end] = True
+        for p in self.engine.params.chunk_members[c]:
+            s = self.engine.params.ref(p).slot
+            if not covered[s.offset]:
+                out[s.offset:s.end].copy_(master[s.offset:s.end])
+
+    def commit_steps(self, with_grad: set[int]) -> None:
+        for i in with_grad:
+            self.steps[i] += 1
+
+    # ---- the worker -------------------------------------------------------------------------
+    def submit(self, c: int, runs, grad_scale: float) -> None:
+        if self._worker is None:
+            self._queue = queue.Queue()
+            self._worker = threading.Thread(target=self._run, name="offload-adam", daemon=True)
+            self._worker.start()
+        self.prefetch(c)
+        self._queue.put((c, runs, grad_scale))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self.update(*item)
+            except BaseException as exc:  # re-raised in the training thread by drain()
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, OffloadError):
+                raise err
+            raise OffloadError(f"the optimizer worker failed: {err!r}") from err
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=30)
+            self._worker = None
