@@ -2,13 +2,22 @@
  * Asynchronous file I/O over Linux native AIO (libaio), plus the blocking primitives the
  * thread backend uses.
  *
- * One off_aio is one kernel AIO context with a fixed number of request slots (the queue
- * depth). off_aio_submit queues a batch with a single io_submit; off_aio_reap collects
- * completions with a timeout, so a caller can always come back to check for shutdown. Every
- * completion's result is compared with the length asked for: a short transfer becomes -EIO
- * for that request (with the bytes actually moved in `done`), a negative result keeps its
- * errno. Submitting and reaping may happen on different threads; each side has its own lock.
- * Without libaio the same functions exist and return -ENOSYS.
+ * One off_aio is one kernel AIO context with queue_depth request slots and its own
+ * completion thread (a pthread, so it never waits for Python's GIL). off_aio_submit accepts
+ * any number of requests: what fits goes to the kernel at once in one io_submit, the rest
+ * waits in a pending list that the completion thread feeds into every slot the moment it is
+ * freed, so the device queue stays full however late the caller comes back. Completions
+ * collect in a list the caller drains with off_aio_reap, which waits with a timeout.
+ *
+ * Requests go to the kernel at most submit_batch per io_submit call. On the virtio disk this
+ * was measured on, one per call wrote ~12 % faster than 32 per call (a batch is plugged and
+ * merged into larger requests, which the host then serves with less parallelism); reads
+ * did not care. The caller still hands over any number in one off_aio_submit.
+ *
+ * Every completion's result is compared with the length asked for: a short transfer becomes
+ * -EIO for that request (with the bytes actually moved in `done`), a negative result keeps
+ * its errno (done = -1). A request the kernel refuses at submission completes with that
+ * error. Nothing prints, exits or asserts. Without libaio the same functions return -ENOSYS.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,36 +33,241 @@
 #ifdef OFF_HAVE_LIBAIO
 #include <libaio.h>
 
+#define REAP_TIMEOUT_NS 100000000LL   /* the completion thread looks at `closing` this often */
+
+/* A growable FIFO of fixed-size items (pending requests, unreaped completions). */
+typedef struct fifo {
+    char *items;
+    size_t item;
+    long long cap, head, len;
+} fifo;
+
+static int fifo_grow(fifo *f, long long need)
+{
+    if (f->len + need <= f->cap)
+        return 0;
+    long long cap = f->cap ? f->cap : 64;
+    while (cap < f->len + need)
+        cap *= 2;
+    char *items = malloc((size_t)cap * f->item);
+    if (!items)
+        return -ENOMEM;
+    for (long long i = 0; i < f->len; i++)
+        memcpy(items + i * f->item, f->items + ((f->head + i) % f->cap) * f->item, f->item);
+    free(f->items);
+    f->items = items;
+    f->cap = cap;
+    f->head = 0;
+    return 0;
+}
+
+static void *fifo_at(fifo *f, long long i) { return f->items + ((f->head + i) % f->cap) * f->item; }
+
+static void fifo_push(fifo *f, const void *x)   /* room ensured by fifo_grow */
+{
+    memcpy(fifo_at(f, f->len), x, f->item);
+    f->len++;
+}
+
+static void fifo_push_front(fifo *f, const void *x)
+{
+    f->head = (f->head + f->cap - 1) % f->cap;
+    memcpy(f->items + f->head * f->item, x, f->item);
+    f->len++;
+}
+
+static void fifo_pop(fifo *f, void *x)
+{
+    memcpy(x, f->items + f->head * f->item, f->item);
+    f->head = (f->head + 1) % f->cap;
+    f->len--;
+}
+
 struct off_aio {
     io_context_t io;
     int depth;
-    struct iocb *cbs;          /* one per slot */
-    long long *lens;           /* requested bytes per slot */
-    unsigned long long *tags;  /* caller's cookie per slot */
-    int *free_slots;           /* stack of free slot indices */
+    int submit_batch;           /* most iocbs per io_submit call */
+    struct iocb *cbs;           /* one per slot */
+    long long *lens;            /* requested bytes per slot */
+    unsigned long long *tags;   /* caller's cookie per slot */
+    int *free_slots;            /* stack of free slot indices */
     int nfree;
-    struct iocb **batch;       /* scratch for io_submit */
-    struct io_event *events;   /* scratch for io_getevents */
-    pthread_mutex_t submit_lock; /* slots, batch */
-    pthread_mutex_t reap_lock;   /* events: one reaper at a time */
+    fifo pending;               /* off_io_req accepted, not yet given to the kernel */
+    fifo done;                  /* off_io_done not yet reaped by the caller */
+    long long outstanding;      /* accepted by submit, not yet reaped */
+    int closing;
+    unsigned wakes;             /* bumped by off_aio_wake: waiting reapers return early */
+    struct iocb **batch;        /* io_submit scratch, guarded by submit_lock */
+    off_io_req *batch_reqs;
+    struct io_event *events;    /* completion thread's scratch */
+    pthread_mutex_t lock;       /* everything above except the scratch arrays */
+    pthread_mutex_t submit_lock;/* one io_submit batch at a time */
+    pthread_cond_t work_cv;     /* completion thread: something to wait for, or closing */
+    pthread_cond_t done_cv;     /* reapers: a completion arrived */
+    pthread_t thread;
+    int thread_started;
+    int sync_made;
 };
 
-OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth)
+/* Record a finished request (lock held). off_aio_submit made room for every outstanding one. */
+static void post_done(off_aio *c, unsigned long long tag, long long result, long long done)
 {
-    if (!out || queue_depth < 1)
+    off_io_done d = {tag, result, done};
+    fifo_push(&c->done, &d);
+}
+
+/* Give pending requests to the kernel while slots are free. Called without `lock`. */
+static void pump(off_aio *c)
+{
+    pthread_mutex_lock(&c->submit_lock);
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        int k = c->pending.len < c->nfree ? (int)c->pending.len : c->nfree;
+        if (k > c->submit_batch)
+            k = c->submit_batch;
+        if (k == 0)
+            break;
+        for (int i = 0; i < k; i++) {
+            off_io_req *r = &c->batch_reqs[i];
+            fifo_pop(&c->pending, r);
+            int slot = c->free_slots[--c->nfree];
+            struct iocb *cb = &c->cbs[slot];
+            if (r->op == OFF_IO_READ)
+                io_prep_pread(cb, r->fd, r->buf, (size_t)r->length, r->offset);
+            else
+                io_prep_pwrite(cb, r->fd, r->buf, (size_t)r->length, r->offset);
+            c->lens[slot] = r->length;
+            c->tags[slot] = r->tag;
+            c->batch[i] = cb;
+        }
+        pthread_mutex_unlock(&c->lock);
+        int rc = io_submit(c->io, k, c->batch);     /* may block: without `lock` */
+        pthread_mutex_lock(&c->lock);
+        int queued = rc > 0 ? rc : 0;
+        if (queued)
+            pthread_cond_signal(&c->work_cv);
+        /* io_submit stops at the first request it cannot queue: slots back, requests back in front. */
+        for (int i = k - 1; i >= queued; i--) {
+            c->free_slots[c->nfree++] = (int)(c->batch[i] - c->cbs);
+            fifo_push_front(&c->pending, &c->batch_reqs[i]);   /* room: just popped */
+        }
+        if (rc < 0) {
+            int inflight = c->depth - c->nfree;
+            if (rc == -EAGAIN && inflight > 0)
+                break;                          /* retried when a completion frees resources */
+            /* The kernel refused this request: it completes with the error, never retried. */
+            off_io_req r;
+            fifo_pop(&c->pending, &r);
+            post_done(c, r.tag, rc, -1);
+            pthread_cond_broadcast(&c->done_cv);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    pthread_mutex_unlock(&c->submit_lock);
+}
+
+static void *completion_thread(void *arg)
+{
+    off_aio *c = arg;
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        int inkernel = c->depth - c->nfree;
+        if (inkernel == 0 && c->pending.len == 0) {
+            if (c->closing)
+                break;
+            pthread_cond_wait(&c->work_cv, &c->lock);
+            continue;
+        }
+        if (inkernel == 0) {                    /* pending but nothing submitted: submit now */
+            pthread_mutex_unlock(&c->lock);
+            pump(c);
+            pthread_mutex_lock(&c->lock);
+            continue;
+        }
+        pthread_mutex_unlock(&c->lock);
+        struct timespec ts = {REAP_TIMEOUT_NS / 1000000000LL, REAP_TIMEOUT_NS % 1000000000LL};
+        int got = io_getevents(c->io, 1, c->depth, c->events, &ts);
+        pthread_mutex_lock(&c->lock);
+        if (got <= 0)
+            continue;                           /* timeout or EINTR: look again */
+        for (int i = 0; i < got; i++) {
+            struct io_event *ev = &c->events[i];
+            int slot = (int)(ev->obj - c->cbs);
+            long long want = c->lens[slot];
+            long long res = (long long)(long)ev->res;
+            if (res < 0)
+                post_done(c, c->tags[slot], res, -1);
+            else if (res != want)
+                post_done(c, c->tags[slot], -EIO, res);   /* short: never partial data as success */
+            else
+                post_done(c, c->tags[slot], res, res);
+            c->free_slots[c->nfree++] = slot;
+        }
+        pthread_cond_broadcast(&c->done_cv);
+        if (c->pending.len) {
+            pthread_mutex_unlock(&c->lock);
+            pump(c);
+            pthread_mutex_lock(&c->lock);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+OFF_EXPORT void off_aio_destroy(off_aio *c)
+{
+    if (!c)
+        return;
+    if (c->thread_started) {
+        /* The completion thread finishes every accepted request before it exits. */
+        pthread_mutex_lock(&c->lock);
+        c->closing = 1;
+        pthread_cond_signal(&c->work_cv);
+        pthread_mutex_unlock(&c->lock);
+        pthread_join(c->thread, NULL);
+    }
+    if (c->io)
+        io_destroy(c->io);
+    if (c->sync_made) {
+        pthread_mutex_destroy(&c->lock);
+        pthread_mutex_destroy(&c->submit_lock);
+        pthread_cond_destroy(&c->work_cv);
+        pthread_cond_destroy(&c->done_cv);
+    }
+    free(c->cbs);
+    free(c->lens);
+    free(c->tags);
+    free(c->free_slots);
+    free(c->batch);
+    free(c->batch_reqs);
+    free(c->events);
+    free(c->pending.items);
+    free(c->done.items);
+    free(c);
+}
+
+OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
+{
+    if (!out || queue_depth < 1 || submit_batch < 1)
         return -EINVAL;
     *out = NULL;
     off_aio *c = calloc(1, sizeof(*c));
     if (!c)
         return -ENOMEM;
     c->depth = queue_depth;
-    c->cbs = calloc((size_t)queue_depth, sizeof(*c->cbs));
-    c->lens = calloc((size_t)queue_depth, sizeof(*c->lens));
-    c->tags = calloc((size_t)queue_depth, sizeof(*c->tags));
-    c->free_slots = calloc((size_t)queue_depth, sizeof(*c->free_slots));
-    c->batch = calloc((size_t)queue_depth, sizeof(*c->batch));
-    c->events = calloc((size_t)queue_depth, sizeof(*c->events));
-    if (!c->cbs || !c->lens || !c->tags || !c->free_slots || !c->batch || !c->events) {
+    c->submit_batch = submit_batch < queue_depth ? submit_batch : queue_depth;
+    c->pending.item = sizeof(off_io_req);
+    c->done.item = sizeof(off_io_done);
+    size_t n = (size_t)queue_depth;
+    c->cbs = calloc(n, sizeof(*c->cbs));
+    c->lens = calloc(n, sizeof(*c->lens));
+    c->tags = calloc(n, sizeof(*c->tags));
+    c->free_slots = calloc(n, sizeof(*c->free_slots));
+    c->batch = calloc(n, sizeof(*c->batch));
+    c->batch_reqs = calloc(n, sizeof(*c->batch_reqs));
+    c->events = calloc(n, sizeof(*c->events));
+    if (!c->cbs || !c->lens || !c->tags || !c->free_slots || !c->batch || !c->batch_reqs || !c->events
+        || fifo_grow(&c->pending, queue_depth) || fifo_grow(&c->done, queue_depth)) {
         off_aio_destroy(c);
         return -ENOMEM;
     }
@@ -66,29 +280,23 @@ OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth)
         off_aio_destroy(c);
         return rc;
     }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->submit_lock, NULL);
-    pthread_mutex_init(&c->reap_lock, NULL);
+    pthread_cond_init(&c->work_cv, NULL);
+    pthread_cond_init(&c->done_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    c->sync_made = 1;
+    rc = pthread_create(&c->thread, NULL, completion_thread, c);
+    if (rc) {
+        off_aio_destroy(c);
+        return -rc;
+    }
+    c->thread_started = 1;
     *out = c;
     return 0;
-}
-
-OFF_EXPORT void off_aio_destroy(off_aio *c)
-{
-    if (!c)
-        return;
-    if (c->io) {
-        /* io_destroy waits for requests still in flight, so no buffer is written after this. */
-        io_destroy(c->io);
-        pthread_mutex_destroy(&c->submit_lock);
-        pthread_mutex_destroy(&c->reap_lock);
-    }
-    free(c->cbs);
-    free(c->lens);
-    free(c->tags);
-    free(c->free_slots);
-    free(c->batch);
-    free(c->events);
-    free(c);
 }
 
 OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
@@ -101,97 +309,83 @@ OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
             || (r->op != OFF_IO_READ && r->op != OFF_IO_WRITE))
             return -EINVAL;
     }
-    pthread_mutex_lock(&c->submit_lock);
-    int k = n < c->nfree ? n : c->nfree;
-    if (k == 0) {
-        pthread_mutex_unlock(&c->submit_lock);
-        return n == 0 ? 0 : -EAGAIN;
+    if (n == 0)
+        return 0;
+    pthread_mutex_lock(&c->lock);
+    if (c->closing) {
+        pthread_mutex_unlock(&c->lock);
+        return -EBADF;
     }
-    for (int i = 0; i < k; i++) {
-        const off_io_req *r = &reqs[i];
-        int slot = c->free_slots[--c->nfree];
-        struct iocb *cb = &c->cbs[slot];
-        if (r->op == OFF_IO_READ)
-            io_prep_pread(cb, r->fd, r->buf, (size_t)r->length, r->offset);
-        else
-            io_prep_pwrite(cb, r->fd, r->buf, (size_t)r->length, r->offset);
-        c->lens[slot] = r->length;
-        c->tags[slot] = r->tag;
-        c->batch[i] = cb;
+    /* Room for every completion up front, so the completion thread never has to allocate. */
+    if (fifo_grow(&c->pending, n) || fifo_grow(&c->done, c->outstanding + n - c->done.len)) {
+        pthread_mutex_unlock(&c->lock);
+        return -ENOMEM;
     }
-    int rc = io_submit(c->io, k, c->batch);
-    int queued = rc > 0 ? rc : 0;
-    /* io_submit stops at the first request it cannot queue: give the rest their slots back. */
-    for (int i = k - 1; i >= queued; i--)
-        c->free_slots[c->nfree++] = (int)(c->batch[i] - c->cbs);
-    pthread_mutex_unlock(&c->submit_lock);
-    if (rc < 0)
-        return rc;
-    return queued;
+    for (int i = 0; i < n; i++)
+        fifo_push(&c->pending, &reqs[i]);
+    c->outstanding += n;
+    pthread_mutex_unlock(&c->lock);
+    pump(c);
+    return n;
 }
 
 OFF_EXPORT int off_aio_reap(off_aio *c, off_io_done *out, int min_nr, int max_nr, long long timeout_ns)
 {
     if (!c || !out || max_nr < 1 || min_nr < 0 || min_nr > max_nr)
         return -EINVAL;
-    if (max_nr > c->depth)
-        max_nr = c->depth;
-    if (min_nr > max_nr)
-        min_nr = max_nr;
-    struct timespec ts, *tp = NULL;
+    struct timespec deadline;
     if (timeout_ns >= 0) {
-        ts.tv_sec = timeout_ns / 1000000000LL;
-        ts.tv_nsec = timeout_ns % 1000000000LL;
-        tp = &ts;
-    }
-    pthread_mutex_lock(&c->reap_lock);
-    int got = io_getevents(c->io, min_nr, max_nr, c->events, tp);
-    if (got < 0) {
-        pthread_mutex_unlock(&c->reap_lock);
-        return got;
-    }
-    int slots[got > 0 ? got : 1];
-    for (int i = 0; i < got; i++) {
-        struct io_event *ev = &c->events[i];
-        int slot = (int)(ev->obj - c->cbs);
-        long long want = c->lens[slot];
-        long long res = (long long)(long)ev->res;
-        out[i].tag = c->tags[slot];
-        if (res < 0) {
-            out[i].result = res;
-            out[i].done = -1;          /* an error, not a short transfer */
-        } else if (res != want) {
-            out[i].result = -EIO;      /* short transfer: never hand back partial data as success */
-            out[i].done = res;
-        } else {
-            out[i].result = res;
-            out[i].done = res;
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        deadline.tv_sec += timeout_ns / 1000000000LL;
+        deadline.tv_nsec += timeout_ns % 1000000000LL;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
         }
-        slots[i] = slot;
     }
-    pthread_mutex_unlock(&c->reap_lock);
-    pthread_mutex_lock(&c->submit_lock);
+    pthread_mutex_lock(&c->lock);
+    unsigned wakes = c->wakes;
+    while (c->done.len < min_nr && c->wakes == wakes) {
+        if (timeout_ns < 0)
+            pthread_cond_wait(&c->done_cv, &c->lock);
+        else if (pthread_cond_timedwait(&c->done_cv, &c->lock, &deadline) == ETIMEDOUT)
+            break;
+    }
+    int got = c->done.len < max_nr ? (int)c->done.len : max_nr;
     for (int i = 0; i < got; i++)
-        c->free_slots[c->nfree++] = slots[i];
-    pthread_mutex_unlock(&c->submit_lock);
+        fifo_pop(&c->done, &out[i]);
+    c->outstanding -= got;
+    pthread_mutex_unlock(&c->lock);
     return got;
+}
+
+OFF_EXPORT int off_aio_wake(off_aio *c)
+{
+    if (!c)
+        return -EINVAL;
+    pthread_mutex_lock(&c->lock);
+    c->wakes++;
+    pthread_cond_broadcast(&c->done_cv);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
 }
 
 OFF_EXPORT int off_aio_inflight(off_aio *c)
 {
     if (!c)
         return -EINVAL;
-    pthread_mutex_lock(&c->submit_lock);
-    int n = c->depth - c->nfree;
-    pthread_mutex_unlock(&c->submit_lock);
-    return n;
+    pthread_mutex_lock(&c->lock);
+    long long n = c->outstanding;
+    pthread_mutex_unlock(&c->lock);
+    return n > 0x7fffffff ? 0x7fffffff : (int)n;
 }
 
 #else /* !OFF_HAVE_LIBAIO: same symbols, honest refusal */
 
-OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth)
+OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
 {
     (void)queue_depth;
+    (void)submit_batch;
     if (out)
         *out = NULL;
     return -ENOSYS;
@@ -208,6 +402,11 @@ OFF_EXPORT int off_aio_reap(off_aio *c, off_io_done *out, int min_nr, int max_nr
     return -ENOSYS;
 }
 OFF_EXPORT int off_aio_inflight(off_aio *c)
+{
+    (void)c;
+    return -ENOSYS;
+}
+OFF_EXPORT int off_aio_wake(off_aio *c)
 {
     (void)c;
     return -ENOSYS;

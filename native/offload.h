@@ -112,17 +112,28 @@ typedef struct off_io_done {
                                           transfer was short, done == -1 marks an error */
 } off_io_done;
 
-typedef struct off_aio off_aio;        /* opaque: one kernel AIO context */
+typedef struct off_aio off_aio;        /* opaque: one kernel AIO context + completion thread */
 
-/* A context with queue_depth request slots: 0 or -errno (-ENOSYS without libaio). */
-int off_aio_create(off_aio **out, int queue_depth);
-void off_aio_destroy(off_aio *ctx);    /* waits for requests still in flight */
-/* Queue up to n requests with one io_submit: how many were queued, or -errno when none
- * were (-EAGAIN: no free slot; otherwise the error of reqs[0]). */
+/* A context with queue_depth request slots and its own completion thread (a pthread that
+ * refills freed slots from the pending list without waiting for the caller), giving the
+ * kernel at most submit_batch requests per io_submit call: 0 or -errno (-ENOSYS without
+ * libaio). */
+int off_aio_create(off_aio **out, int queue_depth, int submit_batch);
+/* Finishes every accepted request, stops the thread, frees the context. No reap may be
+ * running on it. */
+void off_aio_destroy(off_aio *ctx);
+/* Accept n requests (any number): what fits is given to the kernel now in one io_submit,
+ * the rest as slots free up. Returns n, or -errno with none accepted (-EINVAL for a bad
+ * request, -ENOMEM). Each accepted request completes exactly once through off_aio_reap;
+ * one the kernel refuses completes with its error. */
 int off_aio_submit(off_aio *ctx, const off_io_req *reqs, int n);
-/* Reap min_nr..max_nr completions, waiting up to timeout_ns (< 0: forever): count or -errno. */
+/* Take min_nr..max_nr completions, waiting up to timeout_ns (< 0: forever): count (0 on
+ * timeout) or -errno. */
 int off_aio_reap(off_aio *ctx, off_io_done *out, int min_nr, int max_nr, long long timeout_ns);
+/* Requests accepted and not yet reaped. */
 int off_aio_inflight(off_aio *ctx);
+/* Make every off_aio_reap now waiting on ctx return what it has (maybe 0): 0 or -errno. */
+int off_aio_wake(off_aio *ctx);
 
 /* Blocking pread/pwrite of the whole range (EINTR and partial transfers handled): bytes
  * moved (< length only at end of file) or -errno. Used by the thread backend. */

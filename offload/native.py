@@ -168,19 +168,21 @@ def preallocate(fd: int, length: int) -> int:
 
 
 class AioContext:
-    """One kernel AIO context (``off_aio``) with ``depth`` request slots.
+    """One kernel AIO context (``off_aio``): ``depth`` requests in the kernel, any number accepted.
 
-    ``submit`` takes ``(tag, fd, op, address, offset, length)`` tuples and returns how many
-    were queued or -errno; ``reap`` returns ``(tag, result, done)`` tuples (result == length
-    on success, else -errno; a short transfer is -EIO with ``done`` >= 0 bytes, an error has
-    ``done`` -1). The native calls
-    release the GIL, so a reaping thread and submitting threads run side by side.
+    A native completion thread keeps the kernel queue full from its pending list, so Python
+    latency never drains it. ``submit`` takes ``(tag, fd, op, address, offset, length)``
+    tuples and returns their number or -errno (none accepted); ``reap`` returns ``(tag,
+    result, done)`` tuples (result == length on success, else -errno; a short transfer is
+    -EIO with ``done`` >= 0 bytes, an error has ``done`` -1). Native calls release the GIL.
     """
 
-    def __init__(self, depth: int):
+    REAP_BATCH = 256
+
+    def __init__(self, depth: int, submit_batch: int = 1):
         ffi, lib = load()
         out = ffi.new("off_aio **")
-        rc = lib.off_aio_create(out, depth)
+        rc = lib.off_aio_create(out, depth, submit_batch)
         if rc < 0:
             from .errors import NvmeIOError
 
@@ -188,23 +190,23 @@ class AioContext:
                               f"io_setup({depth}) failed" + (" (built without libaio)" if rc == -38 else
                                                              "; see /proc/sys/fs/aio-max-nr"))
         self._ffi, self._lib, self._ctx, self.depth = ffi, lib, out[0], depth
-        self._reqs = ffi.new("off_io_req[]", depth)
-        self._done = ffi.new("off_io_done[]", depth)
+        self._done = ffi.new("off_io_done[]", self.REAP_BATCH)
 
     def submit(self, reqs) -> int:
         n = len(reqs)
-        if n > self.depth:
-            raise ValueError("more requests than slots")
-        arr = self._reqs if n else self._ffi.NULL
-        for i, (tag, fd, op, address, offset, length) in enumerate(reqs):
-            r = arr[i]
+        if n == 0:
+            return 0
+        arr = self._ffi.new("off_io_req[]", n)
+        cast = self._ffi.cast
+        for r, (tag, fd, op, address, offset, length) in zip(arr, reqs):
             r.tag, r.fd, r.op, r.offset, r.length = tag, fd, op, offset, length
-            r.buf = self._ffi.cast("void *", address)
+            r.buf = cast("void *", address)
         return int(self._lib.off_aio_submit(self._ctx, arr, n))
 
     def reap(self, min_nr: int, max_nr: int, timeout_ns: int):
-        """Completions as a list, or an int -errno when reaping itself failed (e.g. -EINTR)."""
-        got = self._lib.off_aio_reap(self._ctx, self._done, min_nr, min(max_nr, self.depth), timeout_ns)
+        """Completions as a list, or an int -errno when reaping itself failed."""
+        max_nr = min(max_nr, self.REAP_BATCH)
+        got = self._lib.off_aio_reap(self._ctx, self._done, min(min_nr, max_nr), max_nr, timeout_ns)
         if got < 0:
             return int(got)
         d = self._done
@@ -213,8 +215,12 @@ class AioContext:
     def inflight(self) -> int:
         return int(self._lib.off_aio_inflight(self._ctx))
 
+    def wake(self) -> None:
+        """Make a ``reap`` waiting now return early (used to stop a collector thread)."""
+        self._lib.off_aio_wake(self._ctx)
+
     def destroy(self) -> None:
-        """Wait for requests in flight and free the context (idempotent)."""
+        """Finish accepted requests and free the context (idempotent; no reap may be running)."""
         if self._ctx is not None:
             self._lib.off_aio_destroy(self._ctx)
             self._ctx = None

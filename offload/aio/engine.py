@@ -78,7 +78,8 @@ class AsyncIO:
         self._libaio: LibaioBackend | None = None
         if self.backend == "libaio":
             try:
-                self._libaio = LibaioBackend(self.config.queue_depth, self.config.threads)
+                self._libaio = LibaioBackend(self.config.queue_depth, self.config.threads,
+                                             self.config.submit_batch)
             except NvmeIOError as exc:
                 if self.config.backend == "libaio":
                     raise ConfigError("aio.backend", "libaio", f"no AIO context: {exc}") from None

@@ -1,9 +1,10 @@
-"""The libaio backend: kernel AIO contexts, each kept full by its own reaper thread.
+"""The libaio backend: kernel AIO contexts fed by native completion threads.
 
-Callers queue pieces and submit what fits right away (one ``io_submit`` per batch); the
-reaper collects completions with a timeout (so it always notices shutdown) and refills the
-queue from the pending list. With ``threads`` > 1 there is one context (and reaper) per
-thread and pieces are dealt round-robin.
+Each context (``native.AioContext``) accepts any number of requests and keeps
+``queue_depth`` of them in the kernel from a native thread, so the device queue stays full
+while Python is busy elsewhere. One Python thread per context collects completions (with a
+timeout, so it always notices shutdown) and finishes the pieces. With ``threads`` > 1 there
+is one context per thread and pieces are dealt round-robin.
 """
 
 from __future__ import annotations
@@ -11,104 +12,69 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
-from collections import deque
 
 from .. import native
 from .request import Piece
 
-REAP_TIMEOUT_NS = 100_000_000   # 100 ms: how often an idle reaper looks at the shutdown flag
+REAP_TIMEOUT_NS = 100_000_000   # 100 ms: how often an idle collector looks at the shutdown flag
 
 
 class _Ring:
-    def __init__(self, depth: int, name: str):
-        self.ctx = native.AioContext(depth)
-        self.depth = depth
+    def __init__(self, depth: int, submit_batch: int, name: str):
+        self.ctx = native.AioContext(depth, submit_batch)
         self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
-        self._pending: deque[Piece] = deque()
         self._inflight: dict[int, Piece] = {}
         self._tags = itertools.count(1)
         self._closing = False
-        self._thread = threading.Thread(target=self._reap_loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._collect, name=name, daemon=True)
         self._thread.start()
 
     def enqueue(self, pieces: list[Piece]) -> None:
-        failed: list[tuple[Piece, int]] = []
         with self._lock:
-            self._pending.extend(pieces)
-            self._pump(failed)
-            self._work.notify()
-        for piece, err in failed:
-            piece.fail(err, "refused by io_submit")
-
-    def _pump(self, failed: list) -> None:
-        """Submit pending pieces while slots are free (lock held). Refusals go to ``failed``."""
-        while self._pending and len(self._inflight) < self.depth:
-            room = self.depth - len(self._inflight)
-            batch = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
-            tagged = [(next(self._tags), p) for p in batch]
+            tagged = [(next(self._tags), p) for p in pieces]
+            # Registered before submitting: a completion may arrive before submit returns.
+            self._inflight.update(tagged)
             rc = self.ctx.submit([(t, p.fd, p.op, p.address, p.offset, p.length) for t, p in tagged])
-            queued = max(rc, 0)
-            for t, p in tagged[:queued]:
-                self._inflight[t] = p
-            rest = batch[queued:]
-            if rc == -errno.EAGAIN and self._inflight:
-                self._pending.extendleft(reversed(rest))   # retried when a completion frees room
-                return
             if rc < 0:
-                # io_submit refused the first request of the batch: that one fails, the rest retry.
-                failed.append((rest[0], -rc))
-                rest = rest[1:]
-            self._pending.extendleft(reversed(rest))
+                for t, _ in tagged:
+                    del self._inflight[t]
+        if rc < 0:
+            for _, p in tagged:
+                p.fail(-rc, "refused by the AIO context")
 
-    def _reap_loop(self) -> None:
+    def _collect(self) -> None:
         while True:
             with self._lock:
-                while not self._inflight and not self._pending and not self._closing:
-                    self._work.wait()
-                if self._closing and not self._inflight and not self._pending:
+                if self._closing and not self._inflight:
                     return
-                idle = not self._inflight
-            if idle:
-                # Pending work but nothing in flight: the last submit failed; try again now.
-                failed: list = []
-                with self._lock:
-                    self._pump(failed)
-                for piece, err in failed:
-                    piece.fail(err, "refused by io_submit")
-                continue
-            got = self.ctx.reap(1, self.depth, REAP_TIMEOUT_NS)
+            got = self.ctx.reap(1, native.AioContext.REAP_BATCH, REAP_TIMEOUT_NS)
             if isinstance(got, int):
                 if got == -errno.EINTR:
                     continue
                 self._abort(-got)
                 return
-            done: list[tuple[Piece, int, int]] = []
-            failed = []
+            if not got:
+                continue
             with self._lock:
-                for tag, result, moved in got:
-                    done.append((self._inflight.pop(tag), result, moved))
-                self._pump(failed)
+                done = [(self._inflight.pop(tag), result, moved) for tag, result, moved in got]
             for piece, result, moved in done:
                 piece.finish(result, moved)
-            for piece, err in failed:
-                piece.fail(err, "refused by io_submit")
 
     def _abort(self, err: int) -> None:
-        # io_getevents itself failed (should not happen): fail what is queued; destroying the
-        # context waits for the requests still in flight, then they are failed too.
+        # Reaping itself failed (a bug, not an I/O error): destroying the context waits for the
+        # requests it holds; then every piece still registered is failed, none left hanging.
         with self._lock:
-            pending, self._pending = list(self._pending), deque()
-            inflight, self._inflight = list(self._inflight.values()), {}
             self._closing = True
         self.ctx.destroy()
-        for piece in pending + inflight:
-            piece.fail(err, "io_getevents failed")
+        with self._lock:
+            pieces, self._inflight = list(self._inflight.values()), {}
+        for piece in pieces:
+            piece.fail(err, "collecting AIO completions failed")
 
     def close(self) -> None:
         with self._lock:
             self._closing = True
-            self._work.notify()
+        self.ctx.wake()
         self._thread.join()
         self.ctx.destroy()
 
@@ -117,11 +83,11 @@ class LibaioBackend:
     name = "libaio"
     direct = True
 
-    def __init__(self, queue_depth: int, threads: int):
+    def __init__(self, queue_depth: int, threads: int, submit_batch: int = 1):
         self._rings: list[_Ring] = []
         try:
             for i in range(threads):
-                self._rings.append(_Ring(queue_depth, f"offload-aio-{i}"))
+                self._rings.append(_Ring(queue_depth, submit_batch, f"offload-aio-{i}"))
         except BaseException:
             self.close()
             raise

@@ -91,25 +91,47 @@ def test_aio_context_reports_short_read_as_eio(disk_tmp):
         assert got[7] == (-errno.EIO, 4096) and got[8] == (4096, 4096)   # short, then whole
         assert ctx.inflight() == 0
         assert ctx.reap(0, 4, 1_000_000) == []     # timeout: nothing
-        assert ctx.submit([(1, fd, 9, address, 0, 4096)]) == -errno.EINVAL
+        assert ctx.submit([(1, fd, 9, address, 0, 4096)]) == -errno.EINVAL   # nothing accepted
     finally:
         ctx.destroy()
         os.close(fd)
 
 
 @libaio
-def test_aio_context_full_queue_is_eagain(disk_tmp):
+def test_aio_context_accepts_more_than_its_depth(disk_tmp):
+    """The native completion thread feeds a pending list into the kernel as slots free up."""
     path = disk_tmp / "q"
-    path.write_bytes(bytes(8192))
+    path.write_bytes(os.urandom(64 * 4096))
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    ctx = native.AioContext(1)
+    ctx = native.AioContext(2)
+    try:
+        buf, address = native.buffer_alloc(64 * 4096, hugepage=False, populate=True)
+        reqs = [(i, fd, native.IO_READ, address + i * 4096, i * 4096, 4096) for i in range(64)]
+        assert ctx.submit(reqs) == 64
+        got = []
+        while len(got) < 64:
+            got += ctx.reap(1, 64, 5_000_000_000)
+        assert sorted(t for t, _, _ in got) == list(range(64)) and all(r == 4096 for _, r, _ in got)
+        assert bytes(buf) == path.read_bytes() and ctx.inflight() == 0
+    finally:
+        ctx.destroy()
+        os.close(fd)
+
+
+@libaio
+def test_aio_context_refused_request_completes_with_its_error(disk_tmp):
+    path = disk_tmp / "ro"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    ctx = native.AioContext(4)
     try:
         buf, address = native.buffer_alloc(8192, hugepage=False, populate=True)
-        n = ctx.submit([(1, fd, native.IO_READ, address, 0, 4096)])
-        assert n == 1
-        assert ctx.submit([(2, fd, native.IO_READ, address + 4096, 4096, 4096)]) in (-errno.EAGAIN,)
-        while not ctx.reap(1, 1, 1_000_000_000):
-            pass
+        assert ctx.submit([(1, fd, native.IO_WRITE, address, 0, 4096),
+                           (2, fd, native.IO_READ, address, 4096, 4096)]) == 2
+        got = {}
+        while len(got) < 2:
+            got.update((t, (r, d)) for t, r, d in ctx.reap(1, 4, 5_000_000_000))
+        assert got[1] == (-errno.EBADF, -1) and got[2] == (4096, 4096)
     finally:
         ctx.destroy()
         os.close(fd)
