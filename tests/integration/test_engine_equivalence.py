@@ -1,0 +1,254 @@
+"""offload.wrap + offload.AdamW give the same training run as plain PyTorch + torch.optim.AdamW.
+
+Budgets are small enough that every chunk passes through all three tiers (device = a CPU
+region here, CPU, NVMe in a temp dir). Tolerances: fp32 within 1e-5 relative (losses and final
+parameters); bf16 against a plain-PyTorch mixed-precision reference (bf16 compute copy, fp32
+master weights, torch AdamW) within 2e-2 relative on the loss, and against fp32 training within
+5e-2 (bf16's own tolerance); fp16 with loss scaling against fp32 within 3e-2.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_gpt import TinyGPT, batches  # noqa: E402
+
+LR, WD = 1e-2, 0.1
+
+
+def small_config(path, **kw) -> offload.OffloadConfig:
+    base = dict(device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
+                nvme_paths=[str(path)], chunk_size=8192)
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def make_models(checkpointing=True, seed=0):
+    torch.manual_seed(seed)
+    ref = TinyGPT(checkpointing=checkpointing)
+    return ref, copy.deepcopy(ref)
+
+
+def run_reference(ref, steps, *, accumulate=1, clip=None, skip=()):
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    data = iter(batches(steps * accumulate))
+    for step in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = ref(x, y) / accumulate
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        if step not in skip:
+            opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def run_offload(model, cfg, steps, *, accumulate=1, clip=None, overflow_at=None):
+    model = offload.wrap(model, cfg)
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip)
+    losses = []
+    data = iter(batches(steps * accumulate))
+    for step in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = model(x, y) / accumulate
+            if step == overflow_at:
+                loss = loss * float("inf")
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return model, opt, losses
+
+
+def assert_params_close(model, ref, rtol, atol):
+    got = model.state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name].float(), want.float(), rtol=rtol, atol=atol, msg=name)
+
+
+def assert_all_tiers_used(model):
+    report = model.offload_engine.store.memory_report()
+    assert report["tiers"]["nvme"]["bytes_by_kind"], "nothing reached NVMe"
+    stats = model.offload_stats()
+    assert stats["step"] > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fp32_matches_torch(disk_tmp, overlap):
+    ref, mine = make_models()
+    want = run_reference(ref, 20)
+    model, _, got = run_offload(mine, small_config(disk_tmp, overlap_optimizer=overlap), 20)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    assert_all_tiers_used(model)
+    model.offload_engine.close()
+
+
+def test_overlapped_and_deferred_updates_are_bit_identical(disk_tmp):
+    _, a = make_models()
+    _, b = make_models()
+    ma, _, la = run_offload(a, small_config(disk_tmp / "a", overlap_optimizer=True), 8)
+    mb, _, lb = run_offload(b, small_config(disk_tmp / "b", overlap_optimizer=False), 8)
+    assert la == lb
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    for m in (ma, mb):
+        m.offload_engine.close()
+
+
+def test_gradient_accumulation(disk_tmp):
+    ref, mine = make_models()
+    want = run_reference(ref, 8, accumulate=3)
+    model, _, got = run_offload(mine, small_config(disk_tmp, gradient_accumulation_steps=3), 8, accumulate=3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
+
+
+def test_gradient_clipping(disk_tmp):
+    ref, mine = make_models()
+    want = run_reference(ref, 10, clip=0.5)
+    model, opt, got = run_offload(mine, small_config(disk_tmp), 10, clip=0.5)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.5   # clipping was active
+    model.offload_engine.close()
+
+
+class MixedReference:
+    """Plain-PyTorch mixed precision: a low-precision compute copy, fp32 master weights, torch AdamW."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
+        self.master = master
+        self.compute = copy.deepcopy(master).to(dtype)
+        self.opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD)
+
+    def step(self, x, y) -> float:
+        loss = self.compute(x, y)
+        loss.backward()
+        for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+            pm.grad = pc.grad.float()
+            pc.grad = None
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+                pc.copy_(pm)
+        return loss.item()
+
+
+def test_bf16_matches_mixed_precision_reference(disk_tmp):
+    ref32, mine = make_models()
+    mixed_master = copy.deepcopy(ref32)
+    want32 = run_reference(ref32, 20)
+    mixed = MixedReference(mixed_master, torch.bfloat16)
+    want_mixed = [mixed.step(x, y) for x, y in batches(20)]
+    model, _, got = run_offload(mine, small_config(disk_tmp, dtype="bf16"), 20)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want_mixed), rtol=2e-2, atol=0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want32), rtol=5e-2, atol=0)
+    assert_params_close(model, mixed_master, rtol=0, atol=2e-2)
+    assert_all_tiers_used(model)
+    model.offload_engine.close()
+
+
+def test_fp16_loss_scaling_with_forced_overflow(disk_tmp):
+    ref, mine = make_models()
+    want = run_reference(ref, 12, skip={5})
+    cfg = small_config(disk_tmp, dtype="fp16", initial_loss_scale=2.0**12)
+    model, opt, got = run_offload(mine, cfg, 12, overflow_at=5)
+    engine = model.offload_engine
+    assert engine.scaler.skipped == 1 and engine.scaler.scale == 2.0**11
+    assert engine.step_count == 11
+    finite = [l for i, l in enumerate(got) if i != 5]
+    torch.testing.assert_close(torch.tensor(finite), torch.tensor([l for i, l in enumerate(want) if i != 5]),
+                               rtol=3e-2, atol=0)
+    sd = model.state_dict()
+    assert all(torch.isfinite(v).all() for v in sd.values())          # nothing corrupted
+    st = opt.state_dict()["state"]
+    assert all(torch.isfinite(s["exp_avg"]).all() and torch.isfinite(s["exp_avg_sq"]).all() for s in st.values())
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_from_state_dicts_continues_identically(disk_tmp, dtype):
+    _, a = make_models()
+    _, b = make_models()
+    cfg_a = small_config(disk_tmp / "a", dtype=dtype)
+    model_a = offload.wrap(a, cfg_a)
+    opt_a = offload.AdamW(model_a.parameters(), lr=LR, weight_decay=WD)
+    data = list(batches(6))
+    losses_a = []
+    saved = None
+    for i, (x, y) in enumerate(data):
+        loss = model_a(x, y)
+        loss.backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        losses_a.append(loss.item())
+        if i == 2:
+            saved = (copy.deepcopy(model_a.state_dict()), copy.deepcopy(opt_a.state_dict()))
+    model_b = offload.wrap(b, small_config(disk_tmp / "b", dtype=dtype))
+    opt_b = offload.AdamW(model_b.parameters(), lr=LR, weight_decay=WD)
+    model_b.load_state_dict(saved[0])
+    opt_b.load_state_dict(saved[1])
+    losses_b = []
+    for x, y in data[3:]:
+        loss = model_b(x, y)
+        loss.backward()
+        opt_b.step()
+        opt_b.zero_grad()
+        losses_b.append(loss.item())
+    assert losses_b == losses_a[3:]
+    sa, sb = model_a.state_dict(), model_b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    model_a.offload_engine.close()
+    model_b.offload_engine.close()
+
+
+def test_optimizer_state_dict_interchangeable_with_torch(disk_tmp):
+    ref, mine = make_models()
+    run_reference(ref, 3)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    # a state produced by torch (3 steps on the reference) loads into ours and back out unchanged
+    for x, y in batches(3):
+        ref(x, y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    mine.load_state_dict(ref.state_dict())
+    model = offload.wrap(mine, small_config(disk_tmp))
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt.load_state_dict(torch_opt.state_dict())
+    back = opt.state_dict()
+    want = torch_opt.state_dict()
+    assert back["state"].keys() == want["state"].keys()
+    for i in want["state"]:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(back["state"][i][k], want["state"][i][k]), (i, k)
+    # and training continues identically on both
+    x, y = next(batches(1, seed=7))
+    l_ref = ref(x, y)
+    l_ref.backward()
+    torch_opt.step()
+    l_mine = model(x, y)
+    l_mine.backward()
+    opt.step()
+    assert abs(l_ref.item() - l_mine.item()) <= 1e-6 * abs(l_ref.item())
+    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
