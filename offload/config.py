@@ -182,6 +182,13 @@ class OffloadConfig:
                               f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
         return cls.from_dict(data)
 
+    @classmethod
+    def from_deepspeed(cls, ds: Union[dict, str, Path], **overrides: Any) -> "OffloadConfig":
+        """Map a DeepSpeed ZeRO config (dict or JSON path); see ``offload.deepspeed_config``."""
+        from .deepspeed_config import from_deepspeed
+
+        return from_deepspeed(ds, **overrides)
+
 
 def _paths(value: Any) -> tuple[str, ...] | None:
     if value is None:
