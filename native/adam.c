@@ -293,9 +293,9 @@ struct probe_job {
     off__probe_kernel kernel;
     float *a, *b, *c;
     const void *d;
-    int d_bytes;
+    int d_dtype;
     void *e;
-    int e_bytes;
+    int e_dtype;
     long long n;
 };
 
@@ -306,32 +306,39 @@ static void probe_task(void *arg, int index, int count)
     split(j->n, index, count, &b, &e);
     if (e <= b)
         return;
-    j->kernel(j->a + b, j->b + b, j->c + b, (const char *)j->d + (size_t)b * (size_t)j->d_bytes,
-              j->d_bytes, j->e ? (void *)((uint16_t *)j->e + b) : NULL, j->e_bytes, e - b);
+    size_t dsz = j->d_dtype == OFF_DTYPE_FP32 ? 4 : 2;
+    j->kernel(j->a + b, j->b + b, j->c + b, (const char *)j->d + (size_t)b * dsz, j->d_dtype,
+              j->e ? (void *)((uint16_t *)j->e + b) : NULL, j->e_dtype, e - b);
 }
 
 OFF_EXPORT int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d,
-                                      int d_bytes, void *e, int e_bytes, long long n, int threads)
+                                      int d_dtype, void *e, int e_dtype, long long n, int threads)
 {
     int rc = check_level(level);
     if (rc < 0)
         return rc;
-    if (n < 0 || (d_bytes != 2 && d_bytes != 4) || (e_bytes != 0 && e_bytes != 2))
+    if (n < 0)
+        return -EINVAL;
+    if (d_dtype != OFF_DTYPE_FP32 && d_dtype != OFF_DTYPE_BF16 && d_dtype != OFF_DTYPE_FP16)
+        return -EINVAL;
+    if (e_dtype != OFF_DTYPE_NONE && e_dtype != OFF_DTYPE_BF16 && e_dtype != OFF_DTYPE_FP16)
         return -EINVAL;
     if (n == 0)
         return 0;
-    if (!a || !b || !c || !d || (e_bytes && !e))
+    if (!a || !b || !c || !d || (e_dtype != OFF_DTYPE_NONE && !e))
         return -EINVAL;
-    if (misaligned(a, 4) || misaligned(b, 4) || misaligned(c, 4) || misaligned(d, (uintptr_t)d_bytes)
-        || (e_bytes && misaligned(e, 2)))
+    if (misaligned(a, 4) || misaligned(b, 4) || misaligned(c, 4)
+        || misaligned(d, d_dtype == OFF_DTYPE_FP32 ? 4 : 2)
+        || (e_dtype != OFF_DTYPE_NONE && misaligned(e, 2)))
         return -EINVAL;
-    struct probe_job job = {probe_for(level), a, b, c, d, d_bytes, e_bytes ? e : NULL, e_bytes, n};
+    struct probe_job job = {probe_for(level), a, b, c, d, d_dtype,
+                            e_dtype != OFF_DTYPE_NONE ? e : NULL, e_dtype, n};
     pool_run(probe_task, &job, thread_count(n, threads));
     return 0;
 }
 
-OFF_EXPORT int off_stream_probe(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                                int e_bytes, long long n, int threads)
+OFF_EXPORT int off_stream_probe(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                                int e_dtype, long long n, int threads)
 {
-    return off_stream_probe_level(off__simd_current(), a, b, c, d, d_bytes, e, e_bytes, n, threads);
+    return off_stream_probe_level(off__simd_current(), a, b, c, d, d_dtype, e, e_dtype, n, threads);
 }

@@ -123,48 +123,51 @@ void off__adam_avx2(const off__adam_consts *c, float *param, const void *grad, i
 }
 #undef CASE
 
-INLINE void probe8(float *a, float *b, float *c, const void *d, int d_bytes, void *e, int e_bytes,
+INLINE void probe8(float *a, float *b, float *c, const void *d, int d_dtype, void *e, int e_dtype,
                    long long i)
 {
-    __m256 x = load_grad(d, d_bytes == 2 ? OFF_DTYPE_BF16 : OFF_DTYPE_FP32, i);
+    __m256 x = load_grad(d, d_dtype, i);
     __m256 y = _mm256_add_ps(_mm256_loadu_ps(a + i), x);
     _mm256_storeu_ps(a + i, y);
     _mm256_storeu_ps(b + i, _mm256_add_ps(_mm256_loadu_ps(b + i), x));
     _mm256_storeu_ps(c + i, _mm256_add_ps(_mm256_loadu_ps(c + i), _mm256_mul_ps(x, x)));
-    if (e_bytes == 2) {
-        __m256i h = _mm256_srli_epi32(_mm256_castps_si256(y), 16);
-        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
-        _mm_storeu_si128((__m128i *)((uint16_t *)e + i), _mm256_castsi256_si128(h));
-    }
+    if (e_dtype == OFF_DTYPE_BF16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)e + i), to_bf16(y));
+    else if (e_dtype == OFF_DTYPE_FP16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)e + i),
+                         _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                      int e_bytes, long long n)
+INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                      int e_dtype, long long n)
 {
     long long i = 0;
+    size_t dsz = d_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(a, d, (size_t)d_bytes, b, c, i);
-        probe8(a, b, c, d, d_bytes, e, e_bytes, i);
-        probe8(a, b, c, d, d_bytes, e, e_bytes, i + 8);
+        prefetch(a, d, dsz, b, c, i);
+        probe8(a, b, c, d, d_dtype, e, e_dtype, i);
+        probe8(a, b, c, d, d_dtype, e, e_dtype, i + 8);
     }
     for (; i + 8 <= n; i += 8)
-        probe8(a, b, c, d, d_bytes, e, e_bytes, i);
-    off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * (size_t)d_bytes, d_bytes,
-                      e ? (char *)e + (size_t)i * 2 : e, e_bytes, n - i);
+        probe8(a, b, c, d, d_dtype, e, e_dtype, i);
+    off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * dsz, d_dtype,
+                      e ? (char *)e + (size_t)i * 2 : e, e_dtype, n - i);
 }
 
-void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                     int e_bytes, long long n)
+#define CASE(G, O) \
+    if (d_dtype == G && e_dtype == O) { \
+        probe_run(a, b, c, d, G, e, O, n); \
+        return; \
+    }
+
+void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                     int e_dtype, long long n)
 {
-    if (d_bytes == 2 && e_bytes == 2)
-        probe_run(a, b, c, d, 2, e, 2, n);
-    else if (d_bytes == 2)
-        probe_run(a, b, c, d, 2, e, 0, n);
-    else if (e_bytes == 2)
-        probe_run(a, b, c, d, 4, e, 2, n);
-    else
-        probe_run(a, b, c, d, 4, e, 0, n);
+    CASE(OFF_DTYPE_FP32, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP32, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP32, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_BF16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_BF16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_BF16, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_FP16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
 }
+#undef CASE
 
 #pragma GCC pop_options
 #endif

@@ -137,44 +137,47 @@ void off__adam_avx512(const off__adam_consts *c, float *param, const void *grad,
 }
 #undef CASE
 
-INLINE void probe16(float *a, float *b, float *c, const void *d, int d_bytes, void *e, int e_bytes,
+INLINE void probe16(float *a, float *b, float *c, const void *d, int d_dtype, void *e, int e_dtype,
                     long long i)
 {
-    __m512 x = d_bytes == 2 ? widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + i)), OFF_DTYPE_BF16)
-                            : _mm512_loadu_ps((const float *)d + i);
+    __m512 x = d_dtype == OFF_DTYPE_FP32
+                   ? _mm512_loadu_ps((const float *)d + i)
+                   : widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + i)), d_dtype);
     __m512 y = _mm512_add_ps(_mm512_loadu_ps(a + i), x);
     _mm512_storeu_ps(a + i, y);
     _mm512_storeu_ps(b + i, _mm512_add_ps(_mm512_loadu_ps(b + i), x));
     _mm512_storeu_ps(c + i, _mm512_add_ps(_mm512_loadu_ps(c + i), _mm512_mul_ps(x, x)));
-    if (e_bytes == 2)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)e + i),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(y), 16)));
+    if (e_dtype != OFF_DTYPE_NONE)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)e + i), narrow(y, e_dtype));
 }
 
-INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                      int e_bytes, long long n)
+INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                      int e_dtype, long long n)
 {
     long long i = 0;
+    size_t dsz = d_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(a, d, (size_t)d_bytes, b, c, i);
-        probe16(a, b, c, d, d_bytes, e, e_bytes, i);
+        prefetch(a, d, dsz, b, c, i);
+        probe16(a, b, c, d, d_dtype, e, e_dtype, i);
     }
-    off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * (size_t)d_bytes, d_bytes,
-                      e ? (char *)e + (size_t)i * 2 : e, e_bytes, n - i);
+    off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * dsz, d_dtype,
+                      e ? (char *)e + (size_t)i * 2 : e, e_dtype, n - i);
 }
 
-void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                       int e_bytes, long long n)
+#define CASE(G, O) \
+    if (d_dtype == G && e_dtype == O) { \
+        probe_run(a, b, c, d, G, e, O, n); \
+        return; \
+    }
+
+void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                       int e_dtype, long long n)
 {
-    if (d_bytes == 2 && e_bytes == 2)
-        probe_run(a, b, c, d, 2, e, 2, n);
-    else if (d_bytes == 2)
-        probe_run(a, b, c, d, 2, e, 0, n);
-    else if (e_bytes == 2)
-        probe_run(a, b, c, d, 4, e, 2, n);
-    else
-        probe_run(a, b, c, d, 4, e, 0, n);
+    CASE(OFF_DTYPE_FP32, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP32, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP32, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_BF16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_BF16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_BF16, OFF_DTYPE_FP16)
+    CASE(OFF_DTYPE_FP16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
 }
+#undef CASE
 
 #pragma GCC pop_options
 #endif

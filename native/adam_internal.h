@@ -42,24 +42,24 @@ typedef void (*off__adam_kernel)(const off__adam_consts *c, float *param, const 
                                  int grad_dtype, float *exp_avg, float *exp_avg_sq, void *out,
                                  int out_dtype, long long n);
 
-/* Memory probe over [0, n): a, b, c read and written (fp32), d read (d_bytes: 2 or 4), e
- * written when e_bytes is 2. */
-typedef void (*off__probe_kernel)(float *a, float *b, float *c, const void *d, int d_bytes,
-                                  void *e, int e_bytes, long long n);
+/* Memory probe over [0, n): a, b, c read and written (fp32), d read (d_dtype, like the
+ * gradient), e written (e_dtype, like the low-precision copy; OFF_DTYPE_NONE for none). */
+typedef void (*off__probe_kernel)(float *a, float *b, float *c, const void *d, int d_dtype,
+                                  void *e, int e_dtype, long long n);
 
 void off__adam_scalar(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                       float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
-void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                       int e_bytes, long long n);
+void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                       int e_dtype, long long n);
 #if defined(__x86_64__)
 void off__adam_avx2(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                     float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
-void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                     int e_bytes, long long n);
+void off__probe_avx2(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                     int e_dtype, long long n);
 void off__adam_avx512(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                       float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n);
-void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                       int e_bytes, long long n);
+void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                       int e_dtype, long long n);
 #endif
 
 static inline uint32_t off__f32_bits(float f)

@@ -55,18 +55,20 @@ void off__adam_scalar(const off__adam_consts *c, float *param, const void *grad,
     }
 }
 
-/* The roofline loop: Adam's streams and bytes with next to no arithmetic. */
-void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                       int e_bytes, long long n)
+/* The roofline loop: Adam's streams, bytes and dtype conversions with next to no arithmetic
+ * (bounded drift, c stays >= 0: the buffers remain usable as Adam state afterwards). */
+void off__probe_scalar(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                       int e_dtype, long long n)
 {
     for (long long i = 0; i < n; i++) {
-        float x = d_bytes == 2 ? off__bf16_to_f32(((const uint16_t *)d)[i]) : ((const float *)d)[i];
-        /* bounded drift, c stays >= 0: the buffers remain usable as Adam state afterwards */
+        float x = load_grad(d, d_dtype, i);
         float y = a[i] + x;
         a[i] = y;
         b[i] = b[i] + x;
         c[i] = c[i] + x * x;
-        if (e_bytes == 2)
-            ((uint16_t *)e)[i] = (uint16_t)(off__f32_bits(y) >> 16);
+        if (e_dtype == OFF_DTYPE_BF16)
+            ((uint16_t *)e)[i] = off__f32_to_bf16(y);
+        else if (e_dtype == OFF_DTYPE_FP16)
+            ((uint16_t *)e)[i] = off__f32_to_f16(y);
     }
 }

@@ -65,13 +65,14 @@ int off_adam_step_level(int level, const off_adam_hparams *hp, float *param, con
 
 /*
  * Memory-traffic probe with Adam's access pattern, the roofline: a, b, c (fp32) read and
- * written, d read (d_bytes 4 or 2 per element, like the gradient), e written (e_bytes 2 per
- * element, like the low-precision copy, or 0 for none). Returns 0 or -EINVAL.
+ * written, d read (d_dtype FP32/BF16/FP16, like the gradient), e written (e_dtype BF16/FP16,
+ * like the low-precision copy, or NONE), with the same conversions and next to no
+ * arithmetic. Returns 0 or -EINVAL.
  */
-int off_stream_probe(float *a, float *b, float *c, const void *d, int d_bytes, void *e,
-                     int e_bytes, long long n, int threads);
-int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d, int d_bytes,
-                           void *e, int e_bytes, long long n, int threads);
+int off_stream_probe(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
+                     int e_dtype, long long n, int threads);
+int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d, int d_dtype,
+                           void *e, int e_dtype, long long n, int threads);
 
 /* ---- I/O (aio.c, buffers.c, crc32c.c): section owned by the I/O layer -- */
 /* Aligned host buffers (buffers.c). Memory comes from mmap: page-aligned, zero-filled. */

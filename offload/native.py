@@ -224,8 +224,6 @@ class AioContext:
         if self._ctx is not None:
             self._lib.off_aio_destroy(self._ctx)
             self._ctx = None
-
-
 # ---- CPU Adam (offload/optim, offload/bench/adam): section owned by the Adam kernels ----
 
 DTYPE_CODES = {"none": 0, "fp32": 1, "bf16": 2, "fp16": 3}   # enum off_dtype
@@ -255,13 +253,14 @@ def adam_step_raw(*, param: int, grad: int, grad_dtype: str, exp_avg: int, exp_a
     check(rc, "off_adam_step")
 
 
-def stream_probe_raw(*, a: int, b: int, c: int, d: int, d_bytes: int, e: int, e_bytes: int,
+def stream_probe_raw(*, a: int, b: int, c: int, d: int, d_dtype: str, e: int, e_dtype: str,
                      n: int, threads: int, level: str | None = None) -> None:
     """The roofline loop over ``n`` elements: a, b, c (fp32) read and written, d read
-    (``d_bytes`` per element), e written (``e_bytes`` per element, 0 for none)."""
+    (``d_dtype``: fp32/bf16/fp16), e written (``e_dtype``: bf16/fp16, or "none")."""
     ffi, lib = load()
     args = (ffi.cast("float *", a), ffi.cast("float *", b), ffi.cast("float *", c),
-            ffi.cast("void *", d), d_bytes, ffi.cast("void *", e), e_bytes, n, threads)
+            ffi.cast("void *", d), DTYPE_CODES[d_dtype], ffi.cast("void *", e),
+            DTYPE_CODES[e_dtype], n, threads)
     if level is None:
         rc = lib.off_stream_probe(*args)
     else:

@@ -2,9 +2,9 @@
 
 One run, side by side, over the same preallocated and warmed buffers: ours at each SIMD level
 the CPU runs, ``torch.optim.AdamW(foreach=True)``, ``torch.optim.AdamW(fused=True)`` where the
-build has it, and the roofline — a native loop with Adam's streams and bytes per parameter
+build has it, and the roofline — a native loop with Adam's streams, bytes and dtype conversions per parameter
 (fp32 param/exp_avg/exp_avg_sq read and written, the gradient read, the low-precision copy
-written) and next to no arithmetic. Each repeat times every side once, in a rotating order
+written) and next to no arithmetic, prefetched like our kernels. Each repeat times every side once, in a rotating order
 (the memory bus drifts over minutes); rates are medians over repeats, and the ratios
 (``roofline_fraction``, ``speedup_vs_torch_fused``) are medians of the per-repeat ratios.
 
@@ -116,7 +116,6 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
     exp_avg = torch.zeros(params)
     exp_avg_sq = torch.zeros(params)
     out = None if out_dtype == "none" else torch.empty(params, dtype=DTYPES[out_dtype])
-    grad_bytes = DTYPES[grad_dtype].itemsize
     step = [0]
 
     def ours(level):
@@ -128,9 +127,9 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
 
     def roofline():
         native.stream_probe_raw(a=param.data_ptr(), b=exp_avg.data_ptr(), c=exp_avg_sq.data_ptr(),
-                                d=grad.data_ptr(), d_bytes=grad_bytes,
-                                e=out.data_ptr() if out is not None else 0,
-                                e_bytes=2 if out is not None else 0, n=params, threads=threads)
+                                d=grad.data_ptr(), d_dtype=grad_dtype,
+                                e=out.data_ptr() if out is not None else 0, e_dtype=out_dtype,
+                                n=params, threads=threads)
 
     sides = {f"offload_{level}": ours(level) for level in levels}
     sides["roofline"] = roofline

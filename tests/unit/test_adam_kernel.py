@@ -368,3 +368,26 @@ def test_bench_measure_returns_the_documented_schema():
         assert report["results"][side]["gbps"] > 0
     with pytest.raises(ConfigError):
         measure(params="lots")
+
+
+@pytest.mark.parametrize("d_dtype,e_dtype", [("fp32", "none"), ("bf16", "bf16"), ("fp16", "fp16")])
+def test_roofline_probe_same_at_every_level_and_checks_arguments(d_dtype, e_dtype):
+    n = 1000
+    d = torch.randn(n).to(DTYPE := {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                    "fp16": torch.float16}[d_dtype])
+    results = []
+    for level in native.simd_available():
+        a, b, c = torch.ones(n), torch.zeros(n), torch.zeros(n)
+        e = torch.zeros(n, dtype=torch.float16 if e_dtype == "fp16" else torch.bfloat16)
+        native.stream_probe_raw(a=a.data_ptr(), b=b.data_ptr(), c=c.data_ptr(), d=d.data_ptr(),
+                                d_dtype=d_dtype, e=e.data_ptr(), e_dtype=e_dtype, n=n, threads=2,
+                                level=level)
+        results.append((a, b, c, e))
+        assert torch.equal(b, d.float()) and bool((c >= 0).all())
+    for other in results[1:]:
+        for x, y in zip(other, results[0]):
+            assert torch.equal(x, y)
+    ffi, lib = native.load()
+    import errno
+    buf = ffi.new("float[]", 8)
+    assert lib.off_stream_probe(buf, buf, buf, buf, 9, ffi.NULL, 0, 8, 1) == -errno.EINVAL
