@@ -43,6 +43,7 @@ class ChunkedParams:
         for p in self.params:
             self.chunk_members[self.refs[id(p)].slot.chunk].append(p)
         self.pins = [0] * layout.num_chunks
+        self.pinned_buffers: dict[int, int] = {}   # device buffer address -> chunk, while pinned
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
         self.on_pin = on_pin            # callback(chunk, hit: bool) for prefetch statistics
         self.tracer = tracer
@@ -92,6 +93,7 @@ class ChunkedParams:
             for p in self.chunk_members[c]:
                 s = self.ref(p).slot
                 p.data = view[s.offset:s.end].view(s.shape)
+            self.pinned_buffers[view.untyped_storage().data_ptr()] = c
             if self.on_pin is not None:
                 self.on_pin(c, hit)
         self.pins[c] += 1
@@ -103,6 +105,9 @@ class ChunkedParams:
         if self.pins[c] == 0:
             for p in self.chunk_members[c]:
                 p.data = self._placeholder
+            view = self.store.view(("param", c), "device")
+            if view is not None:
+                self.pinned_buffers.pop(view.untyped_storage().data_ptr(), None)
             self.store.release(("param", c), "device")
             if self.on_unpinned is not None:
                 self.on_unpinned(c)

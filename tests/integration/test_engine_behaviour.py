@@ -1,0 +1,154 @@
+"""Engine behaviour beyond equivalence: inference, re-tracing, statistics, traces, misuse."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import OffloadError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_gpt import TinyGPT, batches  # noqa: E402
+
+
+def cfg(path, **kw):
+    base = dict(device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
+                nvme_paths=[str(path)], chunk_size=8192)
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def test_eval_and_no_grad_inference_match(disk_tmp):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp))
+    x, y = next(batches(1))
+    ref.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x, y), ref(x, y))
+    model.train()
+    assert model.training and all(m.training for m in model.modules())
+    model.offload_engine.close()
+
+
+class Branchy(nn.Module):
+    """Control flow changes which layers run: the trace must be dropped, never trusted."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x, skip):
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def test_changed_control_flow_retraces_and_stays_correct(disk_tmp):
+    torch.manual_seed(0)
+    ref = Branchy()
+    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, chunk_size=4096, device_budget="64KiB",
+                                                 cpu_budget="96KiB"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    skips = [set(), set(), {1, 4}, {1, 4}, set(), {0}, set(), set()]
+    for skip in skips:
+        x = torch.randn(8, 64, generator=gen)
+        losses = []
+        for m, o in ((ref, opt_ref), (model, opt)):
+            loss = m(x, skip)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
+    stats = model.offload_stats()
+    assert stats["retraces"] >= 2
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
+
+
+def test_stats_and_chrome_trace(disk_tmp, monkeypatch):
+    trace = disk_tmp / "trace.json"
+    monkeypatch.setenv("OFFLOAD_TRACE", str(trace))
+    torch.manual_seed(0)
+    model = offload.wrap(TinyGPT(checkpointing=True), cfg(disk_tmp / "nvme"))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches(3):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = model.offload_stats()
+    for key in ("step", "moved_bytes", "prefetch_hit_rate", "wait_s", "optimizer_s", "memory", "layout"):
+        assert key in stats
+    assert stats["step"] == 3 and stats["optimizer_s"] > 0
+    assert any(k.startswith("nvme->") for k in stats["moved_bytes"])
+    assert 0.0 <= stats["prefetch_hit_rate"] <= 1.0
+    events = json.loads(trace.read_text())["traceEvents"]
+    cats = {e["cat"] for e in events}
+    assert {"adam", "wait"} <= cats
+    model.offload_engine.close()
+
+
+def test_backward_twice_without_step_is_a_clear_error(disk_tmp):
+    torch.manual_seed(0)
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    data = batches(2)
+    x, y = next(data)
+    model(x, y).backward()
+    x, y = next(data)
+    with pytest.raises(OffloadError, match="gradient_accumulation_steps"):
+        model(x, y)
+    opt.step()
+    model.offload_engine.close()
+
+
+def test_unwrapped_params_behave_as_cpu_adamw(disk_tmp):
+    torch.manual_seed(0)
+    extra = nn.Parameter(torch.randn(10))
+    extra_ref = nn.Parameter(extra.detach().clone())
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    opt = offload.AdamW([{"params": model.parameters()}, {"params": [extra], "lr": 0.1}], lr=1e-3)
+    ref_opt = torch.optim.AdamW([extra_ref], lr=0.1)
+    for x, y in batches(3):
+        (model(x, y) + extra.pow(2).sum()).backward()
+        extra_ref.pow(2).sum().backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(extra.detach(), extra_ref.detach(), rtol=1e-6, atol=1e-7)
+    model.offload_engine.close()
+
+
+def test_lr_scheduler_drives_offloaded_params(disk_tmp):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=6)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=2e-2, total_steps=6)
+    for x, y in batches(6):
+        for m, o, s in ((model, opt, sched), (ref, ref_opt, ref_sched)):
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()

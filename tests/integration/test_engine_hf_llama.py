@@ -1,0 +1,57 @@
+"""The engine on a `transformers` LlamaForCausalLM built from a tiny config (no download)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def data(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_hf_llama_fp32_matches_torch(disk_tmp):
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref.train()
+    mine.train()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="768KiB",
+                                nvme_paths=[str(disk_tmp)], chunk_size=16384)
+    model = offload.wrap(mine, cfg)
+    opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    for ids in data(12):
+        l_ref = ref(input_ids=ids, labels=ids).loss
+        l_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(loss.item() - l_ref.item()) <= 1e-5 * abs(l_ref.item())
+    got = model.state_dict()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
+    model.offload_engine.close()
