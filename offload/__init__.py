@@ -21,6 +21,18 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "lazy_init":
+        from .lazy import lazy_init
+
+        return lazy_init
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    if name in ("export_safetensors", "load_safetensors"):
+        from . import weights
+
+        return getattr(weights, name)
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __version__ = "0.1.0"
@@ -38,8 +50,13 @@ __all__ = [
     "StateError",
     "TierFullError",
     "UnsupportedError",
+    "lazy_init",
     "native_info",
     "register_external_parameter",
     "wrap",
     "parse_bytes",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_safetensors",
+    "load_safetensors",
 ]

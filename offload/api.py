@@ -14,6 +14,7 @@ from torch import nn
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .errors import ConfigError, OffloadError
+from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, _check_group, _check_param, _scalar_dtype
 
 
@@ -33,7 +34,10 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         raise ConfigError("model", type(model).__name__, "expected a torch.nn.Module")
     if any(engine_of(p) is not None for p in model.parameters()):
         raise ConfigError("model", type(model).__name__, "is already wrapped by offload")
-    engine = OffloadEngine(model, config or OffloadConfig())
+    if config is None:
+        record = lazy_record(model)
+        config = record.config if record is not None and record.config is not None else OffloadConfig()
+    engine = OffloadEngine(model, config)
     original_state_dict = model.state_dict
     original_load = model.load_state_dict
 

@@ -28,6 +28,7 @@ from ..scheduler import LRUPolicy, NextUsePolicy, TracePrefetcher
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
 from ..tiers.budgets import compute_device
 from ..tracer import Tracer
+from ..lazy import lazy_record
 from .hooks import map_tensors, wrap_for_backward
 from .params import DTYPES, ChunkedParams
 from .stepper import ChunkAdam, LossScaler, ScaleGrad, hyper_of
@@ -57,7 +58,11 @@ class OffloadEngine:
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
         device_budget, cpu_budget = resolve_budgets(config, self.device)
+        self._shapes: dict[int, torch.Size] = {}
+        lazy = lazy_record(model)
         named = [(n, p) for n, p in model.named_parameters()]
+        if lazy is not None:
+            named = self._replace_meta_parameters(named)
         if not named:
             raise ConfigError("model", type(model).__name__, "has no parameters to offload")
         for name, p in named:
@@ -65,7 +70,8 @@ class OffloadEngine:
                 raise ConfigError("model", name, f"parameter dtype {p.dtype} is not floating point")
         max_chunk = max(2048, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
                                   cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
-        self.layout = ChunkLayout.build([(n, p.shape) for n, p in named], config.chunk_size, max_chunk=max_chunk)
+        shapes = [(n, self._shapes.get(id(p), p.shape)) for n, p in named]
+        self.layout = ChunkLayout.build(shapes, config.chunk_size, max_chunk=max_chunk)
         self.policy = NextUsePolicy(auto_advance=False) if config.eviction == "next_use" else LRUPolicy()
         tiers = [MemoryTier("device", device_budget, self.device),
                  MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
@@ -80,7 +86,10 @@ class OffloadEngine:
         n, size = self.layout.num_chunks, self.layout.chunk_size
         for kind in ("grad", "exp_avg", "exp_avg_sq"):
             self.store.register(kind, n, size, torch.float32)
-        self.params.fill_from_model("cpu")
+        if lazy is not None:
+            self.params.fill_lazily("cpu", lazy, model)
+        else:
+            self.params.fill_from_model("cpu")
         self._move_buffers()
         for _, p in named:
             p._offload_engine = weakref.ref(self)
@@ -99,6 +108,32 @@ class OffloadEngine:
         self._closed = False
 
     # ---- set-up -------------------------------------------------------------------------
+    def _replace_meta_parameters(self, named):
+        """Swap each meta parameter for a real one with placeholder data (ties kept).
+
+        A meta tensor cannot take real ``.data``, so lazily built models get new Parameter
+        objects here, before anyone (an optimizer) holds references to them.
+        """
+        placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        new: dict[int, nn.Parameter] = {}
+        self._shapes = {}
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in new:
+                    q = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+                    new[id(p)] = q
+                    self._shapes[id(q)] = p.shape
+                module._parameters[name] = new[id(p)]
+        for module in self.model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    raise ConfigError("buffer", f"{type(module).__name__}.{name}",
+                                      "was built on the meta device; lazy_init materializes parameters "
+                                      "only: create buffers with an explicit device")
+        return [(n, p) for n, p in self.model.named_parameters()]
+
     def _move_buffers(self) -> None:
         for module in self.model.modules():
             for name, buf in module._buffers.items():

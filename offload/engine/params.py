@@ -81,6 +81,63 @@ class ChunkedParams:
             for p in members:
                 p.data = self._placeholder
 
+    def fill_lazily(self, tier: str, record, model: nn.Module) -> None:
+        """Materialize a ``lazy_init`` model module by module into its chunks (see offload.lazy)."""
+        from ..errors import ConfigError
+
+        remaining = [len(m) for m in self.chunk_members]
+        staging: dict[int, torch.Tensor] = {}
+        done: set[int] = set()
+        order = [m for m in record.modules if any(m is x for x in model.modules())]
+        order += [m for m in model.modules() if not any(m is x for x in order)]
+        rng = torch.random.get_rng_state()
+        torch.random.set_rng_state(record.rng_state)
+        try:
+            for module in order:
+                own = [(n, p) for n, p in module._parameters.items()
+                       if p is not None and self.owns(p) and id(p) not in done]
+                if not own:
+                    continue
+                if not hasattr(module, "reset_parameters"):
+                    raise ConfigError("model", type(module).__name__,
+                                      "was built under lazy_init but has no reset_parameters() to "
+                                      "initialize its parameters " + ", ".join(n for n, _ in own))
+                temps = {}
+                for name, p in own:
+                    s = self.ref(p).slot
+                    temps[name] = nn.Parameter(torch.empty(s.shape), requires_grad=False)
+                    module._parameters[name] = temps[name]
+                try:
+                    with torch.no_grad():
+                        module.reset_parameters()
+                finally:
+                    for name, p in own:
+                        module._parameters[name] = p
+                for name, p in own:
+                    ref = self.ref(p)
+                    c = ref.slot.chunk
+                    if c not in staging:
+                        staging[c] = torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+                    staging[c][ref.slot.offset:ref.slot.end].copy_(temps[name].reshape(-1))
+                    done.add(id(p))
+                    remaining[c] -= 1
+                    if remaining[c] == 0:
+                        self._initialize_chunk(c, staging.pop(c), tier)
+                del temps
+        finally:
+            torch.random.set_rng_state(rng)
+        missing = [self.names_of(c) for c, n in enumerate(remaining) if n]
+        if missing:
+            raise ConfigError("model", missing[0], "these parameters were never initialized by reset_parameters()")
+
+    def names_of(self, c: int) -> list[str]:
+        return [self.ref(p).name for p in self.chunk_members[c]]
+
+    def _initialize_chunk(self, c: int, values: torch.Tensor, tier: str) -> None:
+        self.store.initialize(("param", c), tier, lambda v: v.copy_(values.to(self.dtype)))
+        if self.has_master:
+            self.store.initialize(("master", c), tier, lambda v: v.copy_(values))
+
     # ---- pins on the compute device ---------------------------------------
     def pin(self, c: int) -> None:
         if self.pins[c] == 0:
