@@ -1,0 +1,450 @@
+"""``offload bench step``: an offloaded training step against its lower bound, measured in one run.
+
+The model is the reference LLaMA (``offload.models.llama``) at ``--preset``, in bf16, with a total
+state (14 bytes per parameter: bf16 parameter, fp32 master, ``exp_avg``, ``exp_avg_sq``) at least 4x
+the CPU budget, so most of it lives on NVMe under ``--path``. It is trained through
+``offload.wrap`` + ``offload.AdamW`` on a batch of random token ids (``model(ids, labels=ids).loss``):
+``--warmup`` steps (the first records the trace), then ``--steps`` timed steps, each timed from the
+forward to the end of ``optimizer.zero_grad()`` (which waits for any Adam still running). The
+report is the median step, the breakdown from ``model.offload_stats()`` (medians per step), and the
+lower bound measured in the same run::
+
+    bound = max(compute, NVMe reads / read GB/s + NVMe writes / write GB/s, params / Adam roofline)
+
+* compute: the same model's forward + backward in plain PyTorch (bf16, same batch, no offload),
+  each timed right next to one offloaded step, alternating which goes first (the machine drifts);
+* NVMe: ``offload.bench.nvme.measure`` on the same directory with the engine's AioConfig; reads and
+  writes share one device, so their times add;
+* Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, fp32
+  gradient, bf16 copy written, as the engine's step) for the model's parameter count.
+
+The "everything fits in memory" comparison wraps the same model with budgets larger than its state
+and no NVMe tier, and alternates its steps with plain PyTorch doing the same mixed-precision update
+a PyTorch user would write: bf16 model, fp32 master copy, gradients copied to fp32,
+``torch.optim.AdamW`` (fused where the build has it, else foreach), new values copied back to
+bf16. ``ratio`` = torch step time / offload step time, i.e. offload's relative throughput.
+
+The swap files and the NVMe probe file live in a private subdirectory of ``--path`` that is removed
+on exit, also on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+from ..config import AioConfig, OffloadConfig, parse_bytes
+from ..errors import ConfigError, OffloadError
+
+BYTES_PER_PARAM = 14          # bf16 param + fp32 master + exp_avg + exp_avg_sq (DESIGN.md)
+MIN_STATE_OVER_CPU = 4        # the issue's "total state >= 4x the CPU budget"
+DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
+
+
+class BenchStepError(OffloadError):
+    """The step benchmark cannot run as asked (disk space, sizes); the message says what to change."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", default="./offload-nvme",
+                        help="directory on the NVMe drive for swap files (default ./offload-nvme; "
+                             "created and removed when missing)")
+    parser.add_argument("--preset", default="small", help="LLaMA preset of offload.models.llama (default small)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median; default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--batch-tokens", type=int, default=512,
+                        help="tokens per step; sequences of min(this, the preset's max_seq_len) (default 512)")
+    parser.add_argument("--cpu-budget", default=None,
+                        help="CPU tier bytes (default: state / 5, so the state is >= 4x the budget)")
+    parser.add_argument("--device-budget", default=None,
+                        help="device tier bytes (default: half the CPU budget)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="compute device (default auto: cuda when available)")
+    parser.add_argument("--nvme-size", default="256M", help="bytes the NVMe probe writes and reads (default 256M)")
+    parser.add_argument("--no-in-memory", action="store_true", help="skip the everything-in-memory comparison")
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
+
+
+# ---- arithmetic (pure, tested) ----------------------------------------------------------------
+
+def step_bound(compute_s: float, nvme_read_bytes: int, nvme_write_bytes: int, read_gbps: float | None,
+               write_gbps: float | None, params: int, adam_params_per_s: float) -> dict:
+    """The lower bound of a step and its three terms (seconds)."""
+    def io(nbytes, gbps):
+        if not nbytes:
+            return 0.0
+        if not gbps:
+            raise BenchStepError(f"{nbytes} bytes moved to or from NVMe but its bandwidth was not measured")
+        return nbytes / (gbps * 1e9)
+
+    nvme_s = io(nvme_read_bytes, read_gbps) + io(nvme_write_bytes, write_gbps)
+    adam_s = params / adam_params_per_s
+    terms = {"compute_s": compute_s, "nvme_s": nvme_s, "adam_s": adam_s}
+    bottleneck = max(terms, key=terms.get)
+    return {**terms, "bound_s": terms[bottleneck], "bottleneck": bottleneck.removesuffix("_s")}
+
+
+def default_budgets(state_bytes: int, cpu_budget=None, device_budget=None) -> tuple[int, int]:
+    """CPU budget state/5 and device budget half of it, in whole MiB, unless given."""
+    mib = 1 << 20
+    cpu = parse_bytes(cpu_budget, "--cpu-budget") if cpu_budget is not None else \
+        max(4 * mib, state_bytes // 5 // mib * mib)
+    dev = parse_bytes(device_budget, "--device-budget") if device_budget is not None else \
+        max(2 * mib, cpu // 2 // mib * mib)
+    return cpu, dev
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _breakdown(stats: list[dict]) -> dict:
+    dirs = sorted({d for s in stats for d in s.get("moved_bytes", {})})
+    moved = {d: int(_median([s.get("moved_bytes", {}).get(d, 0) for s in stats])) for d in dirs}
+    return {
+        "wait_s": _median([s.get("wait_s") for s in stats]),
+        "optimizer_s": _median([s.get("optimizer_s") for s in stats]),
+        "optimizer_wait_s": _median([s.get("optimizer_wait_s") for s in stats]),
+        "prefetch_hit_rate": _median([s.get("prefetch_hit_rate") for s in stats]),
+        "retraces": max((s.get("retraces") or 0) for s in stats) if stats else 0,
+        "moved_bytes": moved,
+        "bytes_per_step": sum(moved.values()),
+        "nvme_read_bytes": sum(n for d, n in moved.items() if d.startswith("nvme->")),
+        "nvme_write_bytes": sum(n for d, n in moved.items() if d.endswith("->nvme")),
+    }
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _build(preset: str, device: str, seed: int = 0):
+    import torch
+
+    from ..models.llama import LlamaForCausalLM, get_preset
+
+    cfg = get_preset(preset)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return model.to(device) if device == "cuda" else model, cfg
+
+
+def _batch(cfg, batch_tokens: int, device: str):
+    import torch
+
+    seq = min(batch_tokens, cfg.max_seq_len)
+    rows = max(1, batch_tokens // seq)
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, cfg.vocab_size, (rows, seq), generator=gen).to(device)
+
+
+def _time_compute(model, ids, device: str, repeats: int) -> list[float]:
+    """Plain PyTorch forward + backward of the bf16 model, no optimizer."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return times
+
+
+class _TorchMixedAdam:
+    """What a PyTorch user writes for offload's update: fp32 masters, AdamW, copy back to bf16."""
+
+    def __init__(self, model, lr: float):
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        try:
+            self.opt = torch.optim.AdamW(self.masters, lr=lr, fused=True)
+            self.kind = "fused"
+            for m in self.masters:
+                m.grad = torch.zeros_like(m)
+            self.opt.step()   # builds without the fused CPU kernel fail here
+        except (RuntimeError, NotImplementedError):
+            self.opt = torch.optim.AdamW(self.masters, lr=lr, foreach=True)
+            self.kind = "foreach"
+        self.opt.state.clear()
+
+    def step(self) -> None:
+        import torch
+
+        for p, m in zip(self.params, self.masters):
+            if p.grad is None:
+                m.grad = None
+            else:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                m.grad.copy_(p.grad)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def zero_grad(self, model) -> None:
+        model.zero_grad(set_to_none=True)
+
+
+def _offload_step(model, opt, ids, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _torch_step(model, opt: _TorchMixedAdam, ids, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(model)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[bench step] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", steps: int = 10,
+            warmup: int = 3, batch_tokens: int = 512, cpu_budget=None, device_budget=None,
+            device: str = "auto", nvme_size="256M", nvme_repeats: int = 3, adam_repeats: int = 3,
+            in_memory: bool = True, quiet: bool = True, lr: float = 1e-4) -> dict:
+    """Run the benchmark; returns the JSON dict described in the module doc.
+
+    ``path`` must exist (the command creates it); everything written under it is removed before
+    returning. Raises ``ConfigError`` for bad arguments and ``BenchStepError`` when the disk lacks
+    space or the budgets do not make the run an offload run.
+    """
+    import torch
+
+    import offload
+    from ..native import physical_cores
+    from . import adam as adam_bench
+    from . import nvme as nvme_bench
+
+    for name, value, lo in (("steps", steps, 1), ("warmup", warmup, 1), ("batch_tokens", batch_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ConfigError(name, value, f"must be an integer >= {lo}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError("device", device, "must be auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", device, "CUDA is not available on this machine")
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ConfigError("path", path, "is not a directory")
+
+    ref_model, cfg = _build(preset, device)
+    params = sum(p.numel() for p in ref_model.parameters())
+    state_bytes = BYTES_PER_PARAM * params
+    cpu_b, dev_b = default_budgets(state_bytes, cpu_budget, device_budget)
+    notes = []
+    if state_bytes < MIN_STATE_OVER_CPU * cpu_b:
+        notes.append(f"state {state_bytes} B is only {state_bytes / cpu_b:.1f}x the CPU budget "
+                     f"(the benchmark asks for >= {MIN_STATE_OVER_CPU}x)")
+    aio = AioConfig()
+    nvme_size = parse_bytes(nvme_size, "nvme_size")
+    unit = aio.block_size * aio.threads
+    nvme_size = max(unit, nvme_size // unit * unit)
+    from ..aio import free_bytes
+
+    need = int(state_bytes * DISK_MARGIN) + nvme_size
+    free = free_bytes(path)
+    if need > free:
+        raise BenchStepError(f"{path} has {free / 1e9:.2f} GB free but the benchmark needs about "
+                             f"{need / 1e9:.2f} GB (model state {state_bytes / 1e9:.2f} GB x {DISK_MARGIN} "
+                             f"plus the {nvme_size / 1e9:.2f} GB NVMe probe): free space or pick a smaller --preset")
+
+    ids = _batch(cfg, batch_tokens, device)
+    work = tempfile.mkdtemp(prefix=".offload-bench-step-", dir=path)
+    try:
+        _say(f"{preset}: {params / 1e6:.1f}M params, state {state_bytes / 1e6:.0f} MB, "
+             f"CPU budget {cpu_b / 1e6:.0f} MB, device budget {dev_b / 1e6:.0f} MB, {device}", quiet)
+        model, _ = _build(preset, device)
+        model = model.cpu() if device == "cuda" else model
+        config = OffloadConfig(device=device, dtype="bf16", device_budget=dev_b, cpu_budget=cpu_b,
+                               nvme_paths=[work], aio=aio)
+        model = offload.wrap(model, config)
+        try:
+            opt = offload.AdamW(model.parameters(), lr=lr)
+            _say(f"offloaded: {warmup} warm-up + {steps} timed steps, alternating with plain "
+                 f"PyTorch forward+backward", quiet)
+            for _ in range(warmup):
+                _offload_step(model, opt, ids, device)
+            _time_compute(ref_model, ids, device, 1)
+            # Alternate an offloaded step with the plain forward+backward (and who goes first):
+            # the bus, the disk and the neighbours drift, and both sides should see the same.
+            step_times, compute_times, stats = [], [], []
+            for i in range(steps):
+                if i % 2:
+                    compute_times += _time_compute(ref_model, ids, device, 1)
+                step_times.append(_offload_step(model, opt, ids, device))
+                stats.append(model.offload_stats())
+                if i % 2 == 0:
+                    compute_times += _time_compute(ref_model, ids, device, 1)
+            layout = stats[-1].get("layout", {})
+        finally:
+            model.offload_engine.close()
+        del model, opt
+
+        # 4. NVMe bandwidth on the same directory, with the engine's AIO settings
+        _say(f"NVMe probe: {nvme_size >> 20} MiB x {nvme_repeats}", quiet)
+        nvme = nvme_bench.measure(work, size=nvme_size, block_size=aio.block_size,
+                                  queue_depth=aio.queue_depth, threads=aio.threads,
+                                  repeats=nvme_repeats, with_fio=False)
+
+        # 5. Adam roofline for this parameter count (fp32 gradient chunks, bf16 copy written)
+        threads = physical_cores()
+        _say(f"Adam roofline: {params / 1e6:.1f}M params, {threads} threads", quiet)
+        adam = adam_bench.measure(params=params, threads=threads, grad_dtype="fp32", out_dtype="bf16",
+                                  repeats=adam_repeats, with_torch=False)
+        roof = adam["results"]["roofline"]["params_per_s"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    breakdown = _breakdown(stats)
+    compute_s = statistics.median(compute_times)
+    bound = step_bound(compute_s, breakdown["nvme_read_bytes"], breakdown["nvme_write_bytes"],
+                       nvme["read_gbps"], nvme["write_gbps"], params, roof)
+    step_s = statistics.median(step_times)
+    breakdown.update(bound)
+    breakdown.update({
+        "nvme_read_gbps": nvme["read_gbps"], "nvme_write_gbps": nvme["write_gbps"],
+        "nvme_backend": nvme["backend"], "adam_roofline_params_per_s": roof,
+        "adam_offload_params_per_s": adam["results"]["offload"]["params_per_s"],
+        "step_times_s": [round(t, 4) for t in step_times],
+        "compute_times_s": [round(t, 4) for t in compute_times],
+        "chunks": layout.get("chunks"), "chunk_size": layout.get("chunk_size"),
+    })
+    report = {
+        "device": device, "preset": preset, "params": params, "state_bytes": state_bytes,
+        "cpu_budget": cpu_b, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
+        "steps": steps, "warmup": warmup,
+        "step_s": step_s, "bound_s": bound["bound_s"], "bound_ratio": step_s / bound["bound_s"],
+        "breakdown": breakdown, "in_memory": None, "notes": notes,
+    }
+    del ref_model
+    if in_memory:
+        _say(f"in memory: offload vs torch AdamW, {warmup} + {steps} alternating steps", quiet)
+        report["in_memory"] = _in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
+    return report
+
+
+def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warmup: int, lr: float) -> dict:
+    import offload
+
+    big = 2 * state_bytes + (256 << 20)
+    ours, _ = _build(preset, device)
+    ours = ours.cpu() if device == "cuda" else ours
+    ours = offload.wrap(ours, OffloadConfig(device=device, dtype="bf16", device_budget=big,
+                                            cpu_budget=big, nvme_paths=None))
+    try:
+        ours_opt = offload.AdamW(ours.parameters(), lr=lr)
+        theirs, _ = _build(preset, device)
+        theirs_opt = _TorchMixedAdam(theirs, lr)
+        for _ in range(warmup):
+            _offload_step(ours, ours_opt, ids, device)
+            _torch_step(theirs, theirs_opt, ids, device)
+        t_ours, t_torch = [], []
+        for i in range(steps):   # alternate, and alternate who goes first (drift hits both)
+            if i % 2 == 0:
+                t_ours.append(_offload_step(ours, ours_opt, ids, device))
+                t_torch.append(_torch_step(theirs, theirs_opt, ids, device))
+            else:
+                t_torch.append(_torch_step(theirs, theirs_opt, ids, device))
+                t_ours.append(_offload_step(ours, ours_opt, ids, device))
+        moved = ours.offload_stats().get("moved_bytes", {})
+    finally:
+        ours.offload_engine.close()
+    offload_s, torch_s = statistics.median(t_ours), statistics.median(t_torch)
+    return {"offload_step_s": offload_s, "torch_step_s": torch_s, "ratio": torch_s / offload_s,
+            "torch_optimizer": f"torch.optim.AdamW({theirs_opt.kind}) on fp32 masters, copied back to bf16",
+            "offload_moved_bytes": moved,
+            "offload_times_s": [round(t, 4) for t in t_ours], "torch_times_s": [round(t, 4) for t in t_torch]}
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _fmt(x, unit="s") -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if unit == "s" and x < 1 else f"{x:.3f} {unit}".rstrip()
+
+
+def run(args) -> int:
+    path = os.path.abspath(args.path)
+    made_dir = False
+    if not os.path.exists(path):
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ConfigError("--path", args.path, "neither it nor its parent directory exists")
+        os.mkdir(path, 0o700)
+        made_dir = True
+    old = signal.signal(signal.SIGTERM, _sigterm)   # so `kill` also removes the swap files
+    try:
+        report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
+                         batch_tokens=args.batch_tokens, cpu_budget=args.cpu_budget,
+                         device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
+                         in_memory=not args.no_in_memory, quiet=False)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if made_dir:
+            shutil.rmtree(path, ignore_errors=True)
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+    return 0
+
+
+def _print(r: dict) -> None:
+    b = r["breakdown"]
+    print(f"offload bench step: {r['preset']} ({r['params'] / 1e6:.1f}M params, state {r['state_bytes'] / 1e6:.0f} MB) "
+          f"on {r['device']}, CPU budget {r['cpu_budget'] / 1e6:.0f} MB "
+          f"({r['state_bytes'] / r['cpu_budget']:.1f}x smaller), {r['batch_tokens']} tokens/step")
+    print(f"step        {_fmt(r['step_s'])}  (median of {r['steps']})")
+    print(f"bound       {_fmt(r['bound_s'])}  = max(compute {_fmt(b['compute_s'])}, NVMe {_fmt(b['nvme_s'])}, "
+          f"Adam {_fmt(b['adam_s'])}); bottleneck: {b['bottleneck']}")
+    print(f"step/bound  {r['bound_ratio']:.2f}  (target <= 1.2)")
+    hits = "-" if b["prefetch_hit_rate"] is None else f"{100 * b['prefetch_hit_rate']:.0f}%"
+    print(f"breakdown   waiting for chunks {_fmt(b['wait_s'])}, Adam {_fmt(b['optimizer_s'])}, "
+          f"waiting for Adam {_fmt(b['optimizer_wait_s'])}, prefetch hits {hits}")
+    moved = ", ".join(f"{d} {n / 1e6:.0f} MB" for d, n in b["moved_bytes"].items())
+    print(f"moved/step  {b['bytes_per_step'] / 1e6:.0f} MB ({moved})")
+    print(f"measured    NVMe read {b['nvme_read_gbps']} GB/s, write {b['nvme_write_gbps']} GB/s "
+          f"({b['nvme_backend']}); Adam roofline {b['adam_roofline_params_per_s'] / 1e9:.2f} G params/s")
+    m = r["in_memory"]
+    if m:
+        print(f"in memory   offload {_fmt(m['offload_step_s'])}, torch {_fmt(m['torch_step_s'])}: "
+              f"{m['ratio']:.2f}x torch's throughput (target >= 0.9; {m['torch_optimizer']})")
+    for note in r["notes"]:
+        print(f"note: {note}")
