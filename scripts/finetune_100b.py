@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Fine-tune a LLaMA-architecture model of any size on one GPU (or the CPU) with offload.
+
+The model is built lazily (never materialized whole), its parameters, gradients and Adam state
+live in chunks over the compute device, CPU memory and NVMe directories, and the planner
+checks — before anything is allocated — that the box can hold it and predicts the step time.
+
+    python scripts/finetune_100b.py --preset tiny --steps 50 --nvme-path ./offload-nvme
+    python scripts/finetune_100b.py --preset 100b --nvme-path /mnt/nvme0 --nvme-path /mnt/nvme1 --dry-run
+
+Presets (parameters): tiny 2.97 M, small 23.7 M, 1b 1.10 B, 7b 6.74 B, 13b 13.0 B, 70b 69.0 B,
+100b 100.7 B. Data: a .txt file (one stream of text) or a .jsonl file (a "text" field per line),
+by default the small corpus in scripts/data/. Tokens are bytes unless --tokenizer names a local
+Hugging Face tokenizer directory (needs `transformers`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_DATA = ROOT / "data" / "corpus.txt"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="tiny, small, 1b, 7b, 13b, 70b, 100b (default tiny)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="a .txt or .jsonl file (default: the shipped corpus)")
+    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory (default: bytes)")
+    p.add_argument("--nvme-path", action="append", default=[], metavar="DIR",
+                   help="directory for the NVMe tier (repeat to stripe over drives)")
+    p.add_argument("--device-budget", default="auto", help="bytes of chunks on the compute device, e.g. 60G")
+    p.add_argument("--cpu-budget", default="auto", help="bytes of chunks in CPU memory, e.g. 400G")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step (default 2048)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=5, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--no-checkpointing", action="store_true", help="turn activation checkpointing off")
+    p.add_argument("--checkpoint-dir", help="where to write checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    p.add_argument("--no-plan", action="store_true", help="skip the planner's measurements (no fit check!)")
+    p.add_argument("--json-log", metavar="FILE", help="one JSON line per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-nvme", action="store_true", help="leave the swap files in --nvme-path at exit")
+    return p.parse_args(argv)
+
+
+# ---- data ---------------------------------------------------------------------------------
+def load_tokens(path: str, tokenizer: str | None):
+    import torch
+
+    from offload import ConfigError
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("--data", path, "is not a file")
+    if file.suffix == ".jsonl":
+        texts = []
+        for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ConfigError("--data", f"{path}:{i}", f"expected a JSON object with a 'text' field ({exc})")
+        text = "\n\n".join(texts)
+    else:
+        text = file.read_text(encoding="utf-8")
+    if tokenizer:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError("--tokenizer", tokenizer, "needs `pip install transformers`") from exc
+        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        ids = tok(text)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long), len(tok)
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long(), 256
+
+
+def batch_at(tokens, step: int, batch: int, seq: int):
+    """The step-th batch: consecutive windows of the token stream, wrapping (deterministic for resume)."""
+    import torch
+
+    n = tokens.numel() - seq - 1
+    rows = []
+    for r in range(batch):
+        start = ((step * batch + r) * seq) % max(n, 1)
+        rows.append(tokens[start:start + seq])
+    return torch.stack(rows)
+
+
+# ---- planning -----------------------------------------------------------------------------
+def make_plan(args, cfg, config):
+    """Run the planner on this box (it measures NVMe, Adam and compute); returns (plan, sources)."""
+    from offload import planner_cli
+    from offload.planner import Policy, plan
+
+    parser = argparse.ArgumentParser()
+    planner_cli.add_arguments(parser)
+    argv = ["--model", args.preset, "--dtype", args.dtype, "--batch-tokens", str(args.batch_tokens),
+            "--seq-len", str(args.seq_len)]
+    for path in args.nvme_path:
+        argv += ["--nvme-path", path]
+    pargs = parser.parse_args(argv)
+    hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    policy = Policy(batch_tokens=args.batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
+                    activation_checkpointing=not args.no_checkpointing,
+                    device_budget=None if config.device_budget == "auto" else int(config.device_budget),
+                    cpu_budget=None if config.cpu_budget == "auto" else int(config.cpu_budget),
+                    defer_step=args.max_grad_norm is not None)
+    return plan(cfg, hardware, policy, name=f"llama-{args.preset}"), sources, notes
+
+
+# ---- the run ------------------------------------------------------------------------------
+def peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def fmt_time(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def progress(step, total, loss, tok_s, tflops, eta, tty):
+    width = 24
+    done = int(width * step / total)
+    line = (f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.4f}  "
+            f"{tok_s:,.0f} tok/s  {tflops:.3f} TFLOPS  ETA {fmt_time(eta)}")
+    if tty:
+        print("\r" + line, end="", file=sys.stderr, flush=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    import offload
+    from offload import OffloadError
+    from offload.models.llama import LlamaForCausalLM, flops_per_token, get_preset, param_count
+    from offload.planner import format_size
+
+    cfg = get_preset(args.preset)
+    if args.seq_len < 2 or args.batch_tokens < args.seq_len:
+        raise offload.ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
+    seq = min(args.seq_len, cfg.max_seq_len)
+    batch = args.batch_tokens // seq
+    if args.resume and not args.checkpoint_dir:
+        raise offload.ConfigError("--resume", True, "needs --checkpoint-dir")
+    config = offload.OffloadConfig(
+        dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
+        nvme_paths=args.nvme_path or None)
+    n_params = param_count(cfg)
+    print(f"finetune: llama-{args.preset}, {n_params / 1e6:,.1f} M parameters, {args.dtype}, "
+          f"{batch} x {seq} tokens per step, {args.steps} steps", file=sys.stderr)
+
+    for path in args.nvme_path:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise offload.ConfigError("--nvme-path", path, f"cannot be created: {exc.strerror}") from exc
+    predicted = None
+    if not args.no_plan:
+        result, sources, notes = make_plan(args, cfg, config)
+        from offload.planner_cli import format_plan
+
+        print(format_plan(result, sources), file=sys.stderr)
+        if not result.fits:
+            print(f"finetune: refused by the planner: {result.reason}", file=sys.stderr)
+            return 1
+        predicted = result.predicted_step_s
+    if args.dry_run:
+        return 0
+
+    tokens, vocab = load_tokens(args.data, args.tokenizer)
+    if vocab > cfg.vocab_size:
+        raise offload.ConfigError("--tokenizer", args.tokenizer, f"has {vocab} tokens; the preset's vocabulary is {cfg.vocab_size}")
+    torch.manual_seed(args.seed)
+    base_rss = current_rss()
+    built = time.perf_counter()
+    with offload.lazy_init(config):
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing = not args.no_checkpointing
+    model = offload.wrap(model)
+    optimizer = offload.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                              betas=(0.9, 0.95), max_grad_norm=args.max_grad_norm)
+
+    def lr_at(step):
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress_ = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress_, 1.0)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    start_step = 0
+    if args.resume:
+        from offload.checkpoint import load_checkpoint
+
+        manifest = load_checkpoint(model, optimizer, args.checkpoint_dir)
+        start_step = int(manifest["extra"]["step"])
+        scheduler.load_state_dict(manifest["extra"]["scheduler"])
+        print(f"finetune: resumed from {manifest['path']} at step {start_step}", file=sys.stderr)
+    print(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.layout}",
+          file=sys.stderr)
+
+    flops_tok = flops_per_token(cfg, seq)
+    log = open(args.json_log, "a") if args.json_log else None
+    tty = sys.stderr.isatty()
+    losses, times = [], []
+    t_start = time.perf_counter()
+    model.train()
+    try:
+        for step in range(start_step, args.steps):
+            t0 = time.perf_counter()
+            ids = batch_at(tokens, step, batch, seq)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            value = loss.item()
+            dt = time.perf_counter() - t0
+            losses.append(value)
+            times.append(dt)
+            tok_s = batch * seq / dt
+            tflops = flops_tok * batch * seq / dt / 1e12
+            eta = (args.steps - step - 1) * (sum(times[-10:]) / len(times[-10:]))
+            progress(step + 1, args.steps, value, tok_s, tflops, eta, tty)
+            if log:
+                log.write(json.dumps({"step": step + 1, "loss": value, "tokens_per_s": tok_s, "tflops": tflops,
+                                      "step_s": dt, "peak_rss_bytes": peak_rss()}) + "\n")
+                log.flush()
+            if not math.isfinite(value) and args.dtype != "fp16":
+                raise OffloadError(f"the loss became {value} at step {step + 1}")
+            done = step + 1
+            if args.checkpoint_dir and (done == args.steps or
+                                        (args.checkpoint_every and done % args.checkpoint_every == 0)):
+                from offload.checkpoint import save_checkpoint
+
+                path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=done,
+                                       extra={"step": done, "scheduler": scheduler.state_dict()}, keep=2)
+                if tty:
+                    print(file=sys.stderr)
+                print(f"finetune: checkpoint {path}", file=sys.stderr)
+        if tty:
+            print(file=sys.stderr)
+        summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss)
+    finally:
+        if log:
+            log.close()
+        engine = model.offload_engine
+        if args.keep_nvme:
+            engine.adam.close()
+        else:
+            engine.close()
+    return 0
+
+
+def summary(args, model, losses, times, predicted, t_start, tokens_per_step, format_size, base_rss):
+    if not losses:
+        print("finetune: nothing to do (already at --steps)", file=sys.stderr)
+        return
+    report = model.offload_engine.store.memory_report()
+    steady = sorted(times[1:] or times)
+    median = steady[len(steady) // 2]
+    first = sum(losses[: min(5, len(losses))]) / min(5, len(losses))
+    last = sum(losses[-5:]) / len(losses[-5:])
+    print("\nsummary", file=sys.stderr)
+    print(f"  steps          {len(losses)} in {time.perf_counter() - t_start:.1f} s "
+          f"(median step {median:.3f} s, {tokens_per_step / median:,.0f} tokens/s)", file=sys.stderr)
+    print(f"  loss           {first:.4f} (first 5 steps) -> {last:.4f} (last 5)", file=sys.stderr)
+    if predicted is not None:
+        print(f"  step time      measured {median:.3f} s, planner predicted {predicted:.3f} s "
+              f"({median / predicted:.2f}x)", file=sys.stderr)
+    budgets = sum(t["budget"] for n, t in report["tiers"].items() if n != "nvme")
+    print(f"  peak RSS       {format_size(peak_rss())}: {format_size(base_rss)} before the model was built "
+          f"(Python, torch) + {format_size(peak_rss() - base_rss)} for the run; device + CPU budgets "
+          f"{format_size(budgets)}", file=sys.stderr)
+    for name, tier in report["tiers"].items():
+        held = sum(tier["bytes_by_kind"].values())
+        where = f" in {', '.join(tier['paths'])}" if "paths" in tier else ""
+        print(f"  {name:<6} tier    {format_size(held)} of state{where} "
+              f"(budget {format_size(tier['budget'])})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("\nfinetune: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # user mistakes: one line, no traceback
+        from offload import OffloadError
+
+        if isinstance(exc, OffloadError):
+            print(f"finetune: error: {exc}", file=sys.stderr)
+            sys.exit(1)
+        raise
