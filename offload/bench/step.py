@@ -341,17 +341,19 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         "compute_times_s": [round(t, 4) for t in compute_times],
         "chunks": layout.get("chunks"), "chunk_size": layout.get("chunk_size"),
     })
+    breakdown["run"] = {"preset": preset, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
+                        "steps": steps, "warmup": warmup, "notes": notes}
     report = {
-        "device": device, "preset": preset, "params": params, "state_bytes": state_bytes,
-        "cpu_budget": cpu_b, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
-        "steps": steps, "warmup": warmup,
+        "device": device, "params": params, "state_bytes": state_bytes, "cpu_budget": cpu_b,
         "step_s": step_s, "bound_s": bound["bound_s"], "bound_ratio": step_s / bound["bound_s"],
-        "breakdown": breakdown, "in_memory": None, "notes": notes,
+        "breakdown": breakdown, "in_memory": None,
     }
     del ref_model
     if in_memory:
         _say(f"in memory: offload vs torch AdamW, {warmup} + {steps} alternating steps", quiet)
-        report["in_memory"] = _in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
+        summary, detail = _in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
+        report["in_memory"] = summary
+        breakdown["in_memory"] = detail
     return report
 
 
@@ -382,10 +384,11 @@ def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warm
     finally:
         ours.offload_engine.close()
     offload_s, torch_s = statistics.median(t_ours), statistics.median(t_torch)
-    return {"offload_step_s": offload_s, "torch_step_s": torch_s, "ratio": torch_s / offload_s,
-            "torch_optimizer": f"torch.optim.AdamW({theirs_opt.kind}) on fp32 masters, copied back to bf16",
-            "offload_moved_bytes": moved,
-            "offload_times_s": [round(t, 4) for t in t_ours], "torch_times_s": [round(t, 4) for t in t_torch]}
+    summary = {"offload_step_s": offload_s, "torch_step_s": torch_s, "ratio": torch_s / offload_s}
+    detail = {"torch_optimizer": f"torch.optim.AdamW({theirs_opt.kind}) on fp32 masters, copied back to bf16",
+              "offload_moved_bytes": moved, "offload_times_s": [round(t, 4) for t in t_ours],
+              "torch_times_s": [round(t, 4) for t in t_torch]}
+    return summary, detail
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -428,10 +431,11 @@ def run(args) -> int:
 
 def _print(r: dict) -> None:
     b = r["breakdown"]
-    print(f"offload bench step: {r['preset']} ({r['params'] / 1e6:.1f}M params, state {r['state_bytes'] / 1e6:.0f} MB) "
+    run = b["run"]
+    print(f"offload bench step: {run['preset']} ({r['params'] / 1e6:.1f}M params, state {r['state_bytes'] / 1e6:.0f} MB) "
           f"on {r['device']}, CPU budget {r['cpu_budget'] / 1e6:.0f} MB "
-          f"({r['state_bytes'] / r['cpu_budget']:.1f}x smaller), {r['batch_tokens']} tokens/step")
-    print(f"step        {_fmt(r['step_s'])}  (median of {r['steps']})")
+          f"({r['state_bytes'] / r['cpu_budget']:.1f}x smaller), {run['batch_tokens']} tokens/step")
+    print(f"step        {_fmt(r['step_s'])}  (median of {run['steps']})")
     print(f"bound       {_fmt(r['bound_s'])}  = max(compute {_fmt(b['compute_s'])}, NVMe {_fmt(b['nvme_s'])}, "
           f"Adam {_fmt(b['adam_s'])}); bottleneck: {b['bottleneck']}")
     print(f"step/bound  {r['bound_ratio']:.2f}  (target <= 1.2)")
@@ -445,6 +449,6 @@ def _print(r: dict) -> None:
     m = r["in_memory"]
     if m:
         print(f"in memory   offload {_fmt(m['offload_step_s'])}, torch {_fmt(m['torch_step_s'])}: "
-              f"{m['ratio']:.2f}x torch's throughput (target >= 0.9; {m['torch_optimizer']})")
-    for note in r["notes"]:
+              f"{m['ratio']:.2f}x torch's throughput (target >= 0.9; {b['in_memory']['torch_optimizer']})")
+    for note in run["notes"]:
         print(f"note: {note}")

@@ -83,9 +83,8 @@ def test_short_run_json_schema(tmp_path, monkeypatch):
     assert rc == 0
     assert not nvme_dir.exists()           # created for the run, removed with its files
     r = json.loads(out.read_text())
-    for key in ("device", "params", "state_bytes", "cpu_budget", "step_s", "bound_s", "bound_ratio",
-                "breakdown", "in_memory"):
-        assert key in r
+    assert set(r) == {"device", "params", "state_bytes", "cpu_budget", "step_s", "bound_s", "bound_ratio",
+                      "breakdown", "in_memory"}
     assert r["device"] in ("cpu", "cuda")
     assert r["state_bytes"] == 14 * r["params"] and r["cpu_budget"] == 2 * MIB
     b = r["breakdown"]
@@ -99,7 +98,8 @@ def test_short_run_json_schema(tmp_path, monkeypatch):
                                         + b["nvme_write_bytes"] / (b["nvme_write_gbps"] * 1e9))
     assert b["adam_s"] == pytest.approx(r["params"] / b["adam_roofline_params_per_s"])
     m = r["in_memory"]
-    assert set(m) >= {"offload_step_s", "torch_step_s", "ratio"}
+    assert set(m) == {"offload_step_s", "torch_step_s", "ratio"}
+    assert "torch_optimizer" in b["in_memory"] and b["run"]["preset"] == "micro"
     assert m["ratio"] == pytest.approx(m["torch_step_s"] / m["offload_step_s"])
     assert all(math.isfinite(x) and x > 0 for x in (r["step_s"], m["offload_step_s"], m["torch_step_s"]))
 
