@@ -29,6 +29,10 @@ from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
 
 ChunkKey = tuple[str, int]   # (kind, index)
 
+# How long making room waits for another thread (the optimizer worker) to unpin chunks before
+# declaring the tier full.
+PIN_WAIT_S = 60.0
+
 
 @dataclass(eq=False)
 class ChunkRecord:
@@ -42,6 +46,7 @@ class ChunkRecord:
     slot: NvmeSlot | None = None
     nvme_valid: bool = False
     pins: Counter = field(default_factory=Counter)
+    pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
     version: int = 0        # bumped by every write; a move started on an older version is discarded
 
     @property
@@ -65,6 +70,7 @@ class ChunkStore:
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
         self.lock = threading.RLock()
+        self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -164,13 +170,19 @@ class ChunkStore:
             return self._start_move(rec, src, dst)
 
     def ensure(self, key: ChunkKey, tier: str) -> None:
-        """Bring a current copy of ``key`` onto ``tier`` and wait for it."""
-        with self.lock:
-            while True:
+        """Bring a current copy of ``key`` onto ``tier`` and wait for it.
+
+        The I/O is waited for outside the store's lock (when the caller does not hold it), so
+        other threads keep fetching and evicting meanwhile.
+        """
+        while True:
+            with self.lock:
                 move = self.fetch(key, tier)
                 if move is None:
                     return
-                move.wait()
+            move.wait_io()
+            with self.lock:
+                move.finish()
 
     def access(self, key: ChunkKey, tier: str, *, overwrite: bool = False) -> torch.Tensor:
         """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``.
@@ -178,23 +190,27 @@ class ChunkStore:
         ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
-        with self.lock:
-            self._memory_tier(tier)
-            rec = self._rec(key)
-            if overwrite and tier not in rec.valid:
-                self._settle(rec)
-                buf = self._allocate(tier, rec)
-                if rec.state is ChunkState.FREE:
-                    self._set_state(rec, ChunkState.HOLD)
-                rec.buffers[tier] = buf
-                self._modified(rec, tier)
-            else:
+        self._memory_tier(tier)
+        while True:
+            if not overwrite:
                 self.ensure(key, tier)
-            rec.pins[tier] += 1
-            if rec.state is ChunkState.HOLD:
-                self._set_state(rec, ChunkState.COMPUTE)
-            self.policy.on_access(key)
-            return self._typed(rec.buffers[tier], rec)
+            with self.lock:
+                rec = self._rec(key)
+                if overwrite and tier not in rec.valid:
+                    self._settle(rec)
+                    buf = self._allocate(tier, rec)
+                    if rec.state is ChunkState.FREE:
+                        self._set_state(rec, ChunkState.HOLD)
+                    rec.buffers[tier] = buf
+                    self._modified(rec, tier)
+                if tier not in rec.buffers:
+                    continue        # another thread evicted it between the fetch and here: again
+                rec.pins[tier] += 1
+                rec.pin_threads[threading.get_ident()] += 1
+                if rec.state is ChunkState.HOLD:
+                    self._set_state(rec, ChunkState.COMPUTE)
+                self.policy.on_access(key)
+                return self._typed(rec.buffers[tier], rec)
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -205,9 +221,14 @@ class ChunkStore:
             if dirty:
                 self._modified(rec, tier)
             rec.pins[tier] -= 1
+            me = threading.get_ident()
+            rec.pin_threads[me] -= 1
+            if rec.pin_threads[me] <= 0:
+                del rec.pin_threads[me]
             if not +rec.pins:
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
+            self.released.notify_all()
 
     def mark_dirty(self, key: ChunkKey, tier: str) -> None:
         """The copy on ``tier`` (pinned by the caller) was written: every other copy is stale."""
@@ -256,6 +277,29 @@ class ChunkStore:
             self.tiers["nvme"].read(rec.slot, tmp).wait()
             self.moved[("nvme", "host")] += rec.nbytes
             return self._typed(tmp, rec).clone()
+
+    def read_into(self, key: ChunkKey, out: torch.Tensor) -> torch.Tensor:
+        """``read`` without allocating: copy the chunk's current contents into ``out`` and return its
+        typed view. ``out``: a CPU uint8 tensor of at least ``staging_bytes(key)`` bytes, page-aligned
+        (``offload.aio.aligned_empty``) when the chunk may be on NVMe only, as it is read straight in."""
+        with self.lock:
+            rec = self._rec(key)
+            self._settle(rec)
+            if rec.state is ChunkState.FREE:
+                raise StateError(f"chunk {key} holds no data")
+            typed = self._typed(out, rec)
+            for tier in self.order:
+                if tier in rec.buffers:
+                    typed.copy_(self._typed(rec.buffers[tier], rec))
+                    return typed
+            self.tiers["nvme"].read(rec.slot, out[: rec.slot.nbytes]).wait()
+            self.moved[("nvme", "host")] += rec.nbytes
+            return typed
+
+    def staging_bytes(self, key: ChunkKey) -> int:
+        """Bytes a ``read_into`` buffer for ``key`` needs (its NVMe slot may be rounded up)."""
+        rec = self._rec(key)
+        return max(rec.nbytes, rec.slot.nbytes if rec.slot is not None else 0)
 
     def write(self, key: ChunkKey, data: torch.Tensor) -> None:
         """Overwrite a chunk's contents from a tensor (``numel`` elements) wherever it is best held."""
@@ -374,8 +418,8 @@ class ChunkStore:
 
         move.on_done, move.on_fail = done, failed
         rec.incoming[dst] = (buf, move)
-        if move.finished or move._wait is None:   # a synchronous copy: settle it now
-            move.wait()
+        if move.synchronous:   # a CPU copy already done: settle it now
+            move.finish()
         return move
 
     def _settle(self, rec: ChunkRecord) -> None:
@@ -411,19 +455,35 @@ class ChunkStore:
                 candidates = [k for k in candidates if self.policy.rank(k) > later_than]
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
                     return False
-            # Moves into this tier hold buffers; once they land, those chunks can be evicted.
-            landing = [m for r in self.records.values() for d, (_, m) in r.incoming.items() if d == tier]
-            if not candidates and landing:
-                landing[0].wait()
-                continue
-            if not candidates:
+            if not candidates and later_than is None:
+                # Chunks mid-move (landing here, or being written down from here) become evictable
+                # once their move is done; chunks another thread has pinned, once it lets go.
+                moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
+                          for _, m in r.incoming.values()]
+                if moving:
+                    moving[0].wait()
+                    continue
+                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
+                    continue
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+            if not candidates:
+                return False
             need = nbytes - t.free_bytes
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
                 self._evict(self.records[key], tier)
                 if t.can_allocate(nbytes):
                     break
         return True
+
+    def _pinned_elsewhere(self, tier: str) -> bool:
+        me = threading.get_ident()
+        return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
+
+    def settle_all(self) -> None:
+        """Wait for every move in flight (e.g. write-backs started ahead) and book them."""
+        with self.lock:
+            for rec in self.records.values():
+                self._settle(rec)
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.valid == {tier}:
