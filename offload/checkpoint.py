@@ -402,32 +402,74 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     return final
 
 
+def _staging(store, nbytes: int) -> list[torch.Tensor]:
+    """Two reusable chunk buffers (page-aligned when NVMe reads go straight into them), touched now."""
+    if "nvme" in store.tiers:
+        from .aio import aligned_empty
+
+        return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(2)]
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+
+
+def _pipelined(items: list, fetch, consume) -> None:
+    """``consume(i, fetch(i, buf))`` for each item, fetching item i+1 on a thread while item i is consumed.
+
+    ``fetch`` fills one of two alternating buffers; item i's buffer is reused by item i+2 only
+    after ``consume(i)`` returned.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not items:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="offload-ckpt") as pool:
+        future = pool.submit(fetch, 0)
+        for i in range(len(items)):
+            result = future.result()
+            if i + 1 < len(items):
+                future = pool.submit(fetch, i + 1)
+            try:
+                consume(i, result)
+            except BaseException:
+                if i + 1 < len(items):
+                    future.cancel()
+                    try:
+                        future.result()
+                    except BaseException:
+                        pass
+                raise
+
+
 def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
     store, layout = engine.store, engine.layout
     algorithm = _checksum_algorithm()
     t0 = time.perf_counter()
-    kinds, total = {}, 0
+    kinds = {}
+    items: list[tuple[str, int]] = []
     for kind in SAVED_KINDS:
         if (kind, 0) not in store.records:
             continue
         rec0 = store.records[(kind, 0)]
-        writer = _KindWriter(tmp / f"{kind}.bin")
-        entries = []
-        try:
-            for c in range(layout.num_chunks):
-                key = (kind, c)
-                if store.records[key].state.name == "FREE":
-                    entries.append(None)
-                    continue
-                data = store.read(key)
-                offset = writer.append(data)
-                entries.append({"offset": offset, algorithm: _checksum(algorithm, data)})
-                del data
-        finally:
-            writer.close()
-        total += writer.offset
-        kinds[kind] = {"file": writer.path.name, "dtype": _DTYPE_NAMES[rec0.dtype],
-                       "chunk_bytes": rec0.nbytes, "chunks": entries}
+        kinds[kind] = {"file": f"{kind}.bin", "dtype": _DTYPE_NAMES[rec0.dtype], "chunk_bytes": rec0.nbytes,
+                       "chunks": [None] * layout.num_chunks}
+        items += [(kind, c) for c in range(layout.num_chunks) if store.records[(kind, c)].state.name != "FREE"]
+    bufs = _staging(store, max((store.staging_bytes(k) for k in items), default=0))
+    writers = {kind: _KindWriter(tmp / info["file"]) for kind, info in kinds.items()}
+
+    def fetch(i):
+        data = store.read_into(items[i], bufs[i % 2])
+        return data, _checksum(algorithm, data)
+
+    def consume(i, result):
+        kind, c = items[i]
+        data, crc = result
+        kinds[kind]["chunks"][c] = {"offset": writers[kind].append(data), algorithm: crc}
+
+    try:
+        _pipelined(items, fetch, consume)
+    finally:
+        for w in writers.values():
+            w.close()
+    total = sum(w.offset for w in writers.values())
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -584,33 +626,49 @@ def _check_compatible(engine, manifest: dict, ckpt: Path) -> None:
 
 def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
     store = engine.store
-    biggest = max((info["chunk_bytes"] for info in manifest["kinds"].values()), default=0)
-    buf = torch.empty(biggest, dtype=torch.uint8)
+    items: list[tuple[str, int, dict]] = []
     for kind, info in manifest["kinds"].items():
-        path = ckpt / info["file"]
-        nbytes, dtype = info["chunk_bytes"], _DTYPES[info["dtype"]]
-        view = buf[:nbytes]
+        for c, entry in enumerate(info["chunks"]):
+            if entry is None:
+                if store.records[(kind, c)].state.name != "FREE":
+                    store.release_storage((kind, c))
+            else:
+                items.append((kind, c, entry))
+    biggest = max((info["chunk_bytes"] for info in manifest["kinds"].values()), default=0)
+    bufs = [torch.zeros(biggest, dtype=torch.uint8) for _ in range(2)]
+    files = {}
+
+    def fetch(i):
+        kind, c, entry = items[i]
+        info = manifest["kinds"][kind]
+        path, nbytes = ckpt / info["file"], info["chunk_bytes"]
+        if kind not in files:
+            files[kind] = open(path, "rb", buffering=0)
+        f = files[kind]
+        view = bufs[i % 2][:nbytes]
         mv = memoryview(view.numpy()).cast("B")
-        with open(path, "rb", buffering=0) as f:
-            for c, entry in enumerate(info["chunks"]):
-                key = (kind, c)
-                if entry is None:
-                    if store.records[key].state.name != "FREE":
-                        store.release_storage(key)
-                    continue
-                f.seek(entry["offset"])
-                got = 0
-                while got < nbytes:
-                    n = f.readinto(mv[got:])
-                    if not n:
-                        raise ChecksumError(str(path), entry["offset"] + got, nbytes - got,
-                                            f"short read of chunk {kind}[{c}]")
-                    got += n
-                crc = _checksum(algorithm, view)
-                if crc != entry[algorithm]:
-                    raise ChecksumError(str(path), entry["offset"], nbytes,
-                                        f"{algorithm} mismatch in chunk {kind}[{c}] of {info['file']} "
-                                        f"(expected {entry[algorithm]:#010x}, got {crc:#010x})")
-                store.write(key, view.view(dtype))
+        got = 0
+        while got < nbytes:
+            n = os.preadv(f.fileno(), [mv[got:]], entry["offset"] + got)
+            if not n:
+                raise ChecksumError(str(path), entry["offset"] + got, nbytes - got,
+                                    f"short read of chunk {kind}[{c}]")
+            got += n
+        crc = _checksum(algorithm, view)
+        if crc != entry[algorithm]:
+            raise ChecksumError(str(path), entry["offset"], nbytes,
+                                f"{algorithm} mismatch in chunk {kind}[{c}] of {info['file']} "
+                                f"(expected {entry[algorithm]:#010x}, got {crc:#010x})")
+        return view.view(_DTYPES[info["dtype"]])
+
+    def consume(i, data):
+        kind, c, _ = items[i]
+        store.write((kind, c), data)
+
+    try:
+        _pipelined(items, fetch, consume)
+    finally:
+        for f in files.values():
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            f.close()

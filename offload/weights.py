@@ -24,7 +24,6 @@ import math
 import os
 import re
 import struct
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -259,31 +258,38 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
                            f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)})")
     by_id = {id(p): p for p in aliases.values()}
     loaded = []
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
+    handles: dict[Path, object] = {}
 
-        def handle(file: Path):
-            if file not in handles:
-                try:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-                except Exception as exc:
-                    raise OffloadError(f"{file}: cannot open as safetensors: {exc}") from exc
-            return handles[file]
-
-        def shape_of(file: Path, name: str) -> tuple[int, ...]:
+    def handle(file: Path):
+        if file not in handles:
             try:
-                return tuple(handle(file).get_slice(name).get_shape())
-            except OffloadError:
-                raise
+                h = safe_open(str(file), framework="pt")
+                handles[file] = h.__enter__()
             except Exception as exc:
-                raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+                raise OffloadError(f"{file}: cannot open as safetensors: {exc}") from exc
+        return handles[file]
 
-        def tensor(file: Path, name: str) -> torch.Tensor:
-            try:
-                return handle(file).get_tensor(name)
-            except Exception as exc:
-                raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+    def close(file: Path) -> None:
+        # Unmaps the file: its pages stop counting in this process's RSS.
+        h = handles.pop(file, None)
+        if h is not None:
+            h.__exit__(None, None, None)
 
+    def shape_of(file: Path, name: str) -> tuple[int, ...]:
+        try:
+            return tuple(handle(file).get_slice(name).get_shape())
+        except OffloadError:
+            raise
+        except Exception as exc:
+            raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+
+    def tensor(file: Path, name: str) -> torch.Tensor:
+        try:
+            return handle(file).get_tensor(name)
+        except Exception as exc:
+            raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+
+    try:
         # Check every shape before writing anything.
         for pid, (name, file) in wanted.items():
             p = by_id[pid]
@@ -297,39 +303,74 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
             got, want = shape_of(file, name), tuple(getattr(module, b).shape)
             if got != want:
                 raise ConfigError(f"{file.name}:{name}", got, f"shape differs from the model's buffer {want} ({file})")
+        for file in list(handles):
+            close(file)
 
-        chunked: dict[int, list] = {}
+        plain, chunked = [], {}
+        for pid, (name, file) in wanted.items():
+            p = by_id[pid]
+            if engine is not None and engine.params.owns(p):
+                chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, file))
+            else:
+                plain.append((p, name, file))
+        # Work in chunk order; a file is closed after the last chunk that reads from it.
+        work = [(c, chunked[c]) for c in sorted(chunked)] + [(None, [m]) for m in plain] + \
+            [(None, [(None, name, file)]) for name, file in buffer_src.items()]
+        last_use = {}
+        for i, (_, members) in enumerate(work):
+            for _, _, file in members:
+                last_use[file] = i
+        staging: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for pid, (name, file) in wanted.items():
-                p = by_id[pid]
-                if engine is not None and engine.params.owns(p):
-                    chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, file))
+            for i, (c, members) in enumerate(work):
+                if c is not None:
+                    _load_chunk(engine, c, members, tensor, staging)
                 else:
-                    p.data.copy_(tensor(file, name).reshape(p.shape))
-                    loaded.append(name)
-            for c in sorted(chunked):
-                _load_chunk(engine, c, chunked[c], tensor)
-                loaded += [name for _, name, _ in chunked[c]]
-            for name, file in buffer_src.items():
-                module, b = buffers[name]
-                getattr(module, b).copy_(tensor(file, name))
-                loaded.append(name)
+                    p, name, file = members[0]
+                    value = tensor(file, name)
+                    if p is None:
+                        module, b = buffers[name]
+                        getattr(module, b).copy_(value)
+                    else:
+                        p.data.copy_(value.reshape(p.shape))
+                loaded += [name for _, name, _ in members]
+                for _, _, file in members:
+                    if last_use[file] == i:
+                        close(file)
+    finally:
+        for file in list(handles):
+            close(file)
     return {"loaded": loaded, "missing": missing, "unexpected": sorted(unexpected)}
 
 
-def _load_chunk(engine, c: int, members: list, tensor) -> None:
+def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
+    """Fill chunk ``c``'s fp32 values from ``members`` and write its param (+ master) chunk once.
+
+    ``staging`` holds buffers reused from chunk to chunk (fresh allocations per chunk leave the
+    heap fragmented and the process's RSS growing)."""
     params, store = engine.params, engine.store
     master_kind = "master" if params.has_master else "param"
+    if "master" not in staging:
+        nbytes = max(store.staging_bytes((master_kind, i)) for i in range(engine.layout.num_chunks))
+        if "nvme" in store.tiers:                   # read_into reads NVMe-only chunks straight in
+            from .aio import aligned_empty
+
+            staging["master"] = aligned_empty(nbytes, torch.uint8)
+        else:
+            staging["master"] = torch.empty(nbytes, dtype=torch.uint8)
+        if params.has_master:
+            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype)
     covered = {id(p) for p, _, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
-        master = torch.zeros(engine.layout.chunk_size, dtype=torch.float32)   # padding stays zero
+        master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)
+        master.zero_()                                                  # padding stays zero
     else:
-        master = store.read((master_kind, c)).to(torch.float32)
+        master = store.read_into((master_kind, c), staging["master"])
     for p, name, file in members:
         s = params.ref(p).slot
         master[s.offset:s.end].copy_(tensor(file, name).reshape(-1))
     if params.has_master:
         store.write(("master", c), master)
-        store.write(("param", c), master.to(params.dtype))
+        store.write(("param", c), staging["param"].copy_(master))
     else:
         store.write(("param", c), master)

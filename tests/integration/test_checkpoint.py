@@ -284,6 +284,17 @@ def test_safetensors_round_trip(disk_tmp):
         assert torch.equal(want[k], got[k]), k
     assert fresh.head.weight is fresh.wte.weight
 
+    # A file with only some tensors (strict=False) keeps the other parameters of their chunks.
+    from safetensors.torch import save_file
+
+    save_file({"pos": torch.ones(16, 32), "blocks.1.fc.bias": torch.full((128,), 2.0)}, disk_tmp / "part.safetensors")
+    report = offload.load_safetensors(fresh, disk_tmp / "part.safetensors", strict=False)
+    assert sorted(report["loaded"]) == ["blocks.1.fc.bias", "pos"] and "wte.weight" in report["missing"]
+    got = params_of(fresh)
+    for k in want:
+        expect = {"pos": torch.ones(16, 32), "blocks.1.fc.bias": torch.full((128,), 2.0)}.get(k, want[k])
+        assert torch.equal(expect, got[k]), k
+
     # bf16 export is what the model computes with; a bf16 load gives those values back exactly.
     offload.export_safetensors(model, disk_tmp / "bf16")
     plain = TinyGPT()
