@@ -29,10 +29,6 @@ from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
 
 ChunkKey = tuple[str, int]   # (kind, index)
 
-# How long making room waits for another thread (the optimizer worker) to unpin chunks before
-# declaring the tier full.
-PIN_WAIT_S = 60.0
-
 
 @dataclass(eq=False)
 class ChunkRecord:
@@ -46,7 +42,6 @@ class ChunkRecord:
     slot: NvmeSlot | None = None
     nvme_valid: bool = False
     pins: Counter = field(default_factory=Counter)
-    pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
     version: int = 0        # bumped by every write; a move started on an older version is discarded
 
     @property
@@ -70,7 +65,6 @@ class ChunkStore:
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
         self.lock = threading.RLock()
-        self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -170,19 +164,13 @@ class ChunkStore:
             return self._start_move(rec, src, dst)
 
     def ensure(self, key: ChunkKey, tier: str) -> None:
-        """Bring a current copy of ``key`` onto ``tier`` and wait for it.
-
-        The I/O is waited for outside the store's lock (when the caller does not hold it), so
-        other threads keep fetching and evicting meanwhile.
-        """
-        while True:
-            with self.lock:
+        """Bring a current copy of ``key`` onto ``tier`` and wait for it."""
+        with self.lock:
+            while True:
                 move = self.fetch(key, tier)
                 if move is None:
                     return
-            move.wait_io()
-            with self.lock:
-                move.finish()
+                move.wait()
 
     def access(self, key: ChunkKey, tier: str, *, overwrite: bool = False) -> torch.Tensor:
         """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``.
@@ -190,27 +178,23 @@ class ChunkStore:
         ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
-        self._memory_tier(tier)
-        while True:
-            if not overwrite:
+        with self.lock:
+            self._memory_tier(tier)
+            rec = self._rec(key)
+            if overwrite and tier not in rec.valid:
+                self._settle(rec)
+                buf = self._allocate(tier, rec)
+                if rec.state is ChunkState.FREE:
+                    self._set_state(rec, ChunkState.HOLD)
+                rec.buffers[tier] = buf
+                self._modified(rec, tier)
+            else:
                 self.ensure(key, tier)
-            with self.lock:
-                rec = self._rec(key)
-                if overwrite and tier not in rec.valid:
-                    self._settle(rec)
-                    buf = self._allocate(tier, rec)
-                    if rec.state is ChunkState.FREE:
-                        self._set_state(rec, ChunkState.HOLD)
-                    rec.buffers[tier] = buf
-                    self._modified(rec, tier)
-                if tier not in rec.buffers:
-                    continue        # another thread evicted it between the fetch and here: again
-                rec.pins[tier] += 1
-                rec.pin_threads[threading.get_ident()] += 1
-                if rec.state is ChunkState.HOLD:
-                    self._set_state(rec, ChunkState.COMPUTE)
-                self.policy.on_access(key)
-                return self._typed(rec.buffers[tier], rec)
+            rec.pins[tier] += 1
+            if rec.state is ChunkState.HOLD:
+                self._set_state(rec, ChunkState.COMPUTE)
+            self.policy.on_access(key)
+            return self._typed(rec.buffers[tier], rec)
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -221,14 +205,9 @@ class ChunkStore:
             if dirty:
                 self._modified(rec, tier)
             rec.pins[tier] -= 1
-            me = threading.get_ident()
-            rec.pin_threads[me] -= 1
-            if rec.pin_threads[me] <= 0:
-                del rec.pin_threads[me]
             if not +rec.pins:
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
-            self.released.notify_all()
 
     def mark_dirty(self, key: ChunkKey, tier: str) -> None:
         """The copy on ``tier`` (pinned by the caller) was written: every other copy is stale."""
@@ -418,8 +397,8 @@ class ChunkStore:
 
         move.on_done, move.on_fail = done, failed
         rec.incoming[dst] = (buf, move)
-        if move.synchronous:   # a CPU copy already done: settle it now
-            move.finish()
+        if move.finished or move._wait is None:   # a synchronous copy: settle it now
+            move.wait()
         return move
 
     def _settle(self, rec: ChunkRecord) -> None:
@@ -455,35 +434,19 @@ class ChunkStore:
                 candidates = [k for k in candidates if self.policy.rank(k) > later_than]
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
                     return False
-            if not candidates and later_than is None:
-                # Chunks mid-move (landing here, or being written down from here) become evictable
-                # once their move is done; chunks another thread has pinned, once it lets go.
-                moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
-                          for _, m in r.incoming.values()]
-                if moving:
-                    moving[0].wait()
-                    continue
-                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
-                    continue
-                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+            # Moves into this tier hold buffers; once they land, those chunks can be evicted.
+            landing = [m for r in self.records.values() for d, (_, m) in r.incoming.items() if d == tier]
+            if not candidates and landing:
+                landing[0].wait()
+                continue
             if not candidates:
-                return False
+                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
             need = nbytes - t.free_bytes
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
                 self._evict(self.records[key], tier)
                 if t.can_allocate(nbytes):
                     break
         return True
-
-    def _pinned_elsewhere(self, tier: str) -> bool:
-        me = threading.get_ident()
-        return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
-
-    def settle_all(self) -> None:
-        """Wait for every move in flight (e.g. write-backs started ahead) and book them."""
-        with self.lock:
-            for rec in self.records.values():
-                self._settle(rec)
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.valid == {tier}:
