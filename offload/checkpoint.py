@@ -20,11 +20,12 @@ A checkpoint directory holds::
 Gradients are not saved: a checkpoint is taken between ``optimizer.step()`` and the next
 backward, and loading leaves a clean accumulation window.
 
-Streaming: each chunk is read with ``store.read`` (from the device, pinned CPU, or NVMe) and
-written out before the next one is read, so saving needs about one chunk of extra memory
-(two while a chunk comes off NVMe); loading reuses one chunk-sized buffer. Written data is
-synced every ``SYNC_EVERY`` bytes and dropped from the page cache, so a 1 TB checkpoint does
-not push the training state out of RAM.
+Streaming: chunks go through two reused chunk-sized staging buffers. Saving reads chunk i+1
+(``store.read_into``, from the device, pinned CPU or straight from NVMe) and checksums it on a
+thread while chunk i is written to its file; loading reads and verifies chunk i+1 from its file
+while chunk i goes into the store (``store.write``). Extra memory is two chunks of the largest
+kind, whatever the model size. Written data is synced every ``SYNC_EVERY`` bytes and dropped
+from the page cache, so a 1 TB checkpoint does not push the training state out of RAM.
 
 Atomicity: everything is written into ``root/.tmp-<name>-<pid>/``, each file fsynced, the
 manifest last, the directory fsynced and renamed to ``root/<name>``; then ``latest`` is replaced

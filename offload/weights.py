@@ -42,7 +42,6 @@ _DTYPE_ALIASES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch
 
 def _safetensors():
     try:
-        import safetensors  # noqa: F401
         from safetensors import safe_open
     except ImportError as exc:
         raise OffloadError("loading safetensors needs the 'safetensors' package: "

@@ -227,7 +227,7 @@ def test_kill_during_save_keeps_previous_checkpoint(disk_tmp):
             proc.kill()
             proc.wait()
     stale = [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]
-    assert stale == [f"step-00000003".join([".tmp-", f"-{proc.pid}"])]
+    assert stale == [f".tmp-step-00000003-{proc.pid}"]
     assert (ckpt / "latest").read_text().strip() == "step-00000002"
 
     model, opt = build(nvme, "bf16", seed=9)
