@@ -29,6 +29,10 @@ from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
 
 ChunkKey = tuple[str, int]   # (kind, index)
 
+# How long making room waits for another thread (the optimizer worker) to unpin chunks before
+# declaring the tier full.
+PIN_WAIT_S = 60.0
+
 
 @dataclass(eq=False)
 class ChunkRecord:
@@ -42,6 +46,7 @@ class ChunkRecord:
     slot: NvmeSlot | None = None
     nvme_valid: bool = False
     pins: Counter = field(default_factory=Counter)
+    pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
     version: int = 0        # bumped by every write; a move started on an older version is discarded
 
     @property
@@ -65,6 +70,7 @@ class ChunkStore:
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
         self.lock = threading.RLock()
+        self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -164,13 +170,19 @@ class ChunkStore:
             return self._start_move(rec, src, dst)
 
     def ensure(self, key: ChunkKey, tier: str) -> None:
-        """Bring a current copy of ``key`` onto ``tier`` and wait for it."""
-        with self.lock:
-            while True:
+        """Bring a current copy of ``key`` onto ``tier`` and wait for it.
+
+        The I/O is waited for outside the store's lock (when the caller does not hold it), so
+        other threads keep fetching and evicting meanwhile.
+        """
+        while True:
+            with self.lock:
                 move = self.fetch(key, tier)
                 if move is None:
                     return
-                move.wait()
+            move.wait_io()
+            with self.lock:
+                move.finish()
 
     def access(self, key: ChunkKey, tier: str, *, overwrite: bool = False) -> torch.Tensor:
         """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``.
@@ -178,23 +190,30 @@ class ChunkStore:
         ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
-        with self.lock:
-            self._memory_tier(tier)
-            rec = self._rec(key)
-            if overwrite and tier not in rec.valid:
-                self._settle(rec)
-                buf = self._allocate(tier, rec)
-                if rec.state is ChunkState.FREE:
-                    self._set_state(rec, ChunkState.HOLD)
-                rec.buffers[tier] = buf
-                self._modified(rec, tier)
-            else:
+        self._memory_tier(tier)
+        while True:
+            if not overwrite:
                 self.ensure(key, tier)
-            rec.pins[tier] += 1
-            if rec.state is ChunkState.HOLD:
-                self._set_state(rec, ChunkState.COMPUTE)
-            self.policy.on_access(key)
-            return self._typed(rec.buffers[tier], rec)
+            with self.lock:
+                rec = self._rec(key)
+                if overwrite and tier not in rec.valid:
+                    self._settle(rec)
+                    buf = self._allocate(tier, rec)
+                    if tier in rec.buffers:          # someone brought it here while we made room
+                        self.tiers[tier].free(buf)
+                    else:
+                        if rec.state is ChunkState.FREE:
+                            self._set_state(rec, ChunkState.HOLD)
+                        rec.buffers[tier] = buf
+                    self._modified(rec, tier)
+                if tier not in rec.buffers:
+                    continue        # another thread evicted it between the fetch and here: again
+                rec.pins[tier] += 1
+                rec.pin_threads[threading.get_ident()] += 1
+                if rec.state is ChunkState.HOLD:
+                    self._set_state(rec, ChunkState.COMPUTE)
+                self.policy.on_access(key)
+                return self._typed(rec.buffers[tier], rec)
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -205,9 +224,14 @@ class ChunkStore:
             if dirty:
                 self._modified(rec, tier)
             rec.pins[tier] -= 1
+            me = threading.get_ident()
+            rec.pin_threads[me] -= 1
+            if rec.pin_threads[me] <= 0:
+                del rec.pin_threads[me]
             if not +rec.pins:
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
+            self.released.notify_all()
 
     def mark_dirty(self, key: ChunkKey, tier: str) -> None:
         """The copy on ``tier`` (pinned by the caller) was written: every other copy is stale."""
@@ -367,12 +391,18 @@ class ChunkStore:
         return src, self.order[si - 1 if si > ti else si + 1]
 
     def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
-        version = rec.version
         if dst == "nvme":
             buf = None
+            version = rec.version
             move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
         else:
             buf = self._allocate(dst, rec)
+            # Making room may have waited (lock released): another thread may have moved or
+            # written this chunk meanwhile. Then this move is moot; the caller fetches again.
+            if dst in rec.incoming or dst in rec.valid or src not in rec.valid:
+                self.tiers[dst].free(buf)
+                return rec.incoming[dst][1] if dst in rec.incoming else Move(src, dst, 0, None)
+            version = rec.version
             if src == "nvme":
                 move = self.tiers["nvme"].read(rec.slot, buf, dst)
             else:
@@ -397,8 +427,8 @@ class ChunkStore:
 
         move.on_done, move.on_fail = done, failed
         rec.incoming[dst] = (buf, move)
-        if move.finished or move._wait is None:   # a synchronous copy: settle it now
-            move.wait()
+        if move.synchronous:   # a CPU copy already done: settle it now
+            move.finish()
         return move
 
     def _settle(self, rec: ChunkRecord) -> None:
@@ -434,13 +464,19 @@ class ChunkStore:
                 candidates = [k for k in candidates if self.policy.rank(k) > later_than]
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
                     return False
-            # Moves into this tier hold buffers; once they land, those chunks can be evicted.
-            landing = [m for r in self.records.values() for d, (_, m) in r.incoming.items() if d == tier]
-            if not candidates and landing:
-                landing[0].wait()
-                continue
-            if not candidates:
+            if not candidates and later_than is None:
+                # Chunks mid-move (landing here, or being written down from here) become evictable
+                # once their move is done; chunks another thread has pinned, once it lets go.
+                moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
+                          for _, m in r.incoming.values()]
+                if moving:
+                    moving[0].wait()
+                    continue
+                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
+                    continue
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+            if not candidates:
+                return False
             need = nbytes - t.free_bytes
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
                 self._evict(self.records[key], tier)
@@ -448,10 +484,33 @@ class ChunkStore:
                     break
         return True
 
+    def _pinned_elsewhere(self, tier: str) -> bool:
+        me = threading.get_ident()
+        return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
+
+    def start_writeback(self, key: ChunkKey) -> Move | None:
+        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
+        so that evicting it later costs nothing. None when there is nothing to do."""
+        with self.lock:
+            rec = self._rec(key)
+            low = self._lowest_memory_tier()
+            if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
+                return None
+            return self._start_move(rec, low, "nvme")
+
+    def settle_all(self) -> None:
+        """Wait for every move in flight (e.g. write-backs started ahead) and book them."""
+        with self.lock:
+            for rec in self.records.values():
+                self._settle(rec)
+
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.valid == {tier}:
             below = self.order[self.order.index(tier) + 1]
             self._start_move(rec, tier, below).wait()
+        # Making room below may have let another thread pin or rewrite the chunk: then it stays.
+        if tier not in rec.buffers or rec.pins[tier] or rec.valid == {tier}:
+            return
         buf = rec.buffers.pop(tier)
         self.tiers[tier].free(buf)
 

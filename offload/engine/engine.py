@@ -86,6 +86,10 @@ class OffloadEngine:
         n, size = self.layout.num_chunks, self.layout.chunk_size
         for kind in ("grad", "exp_avg", "exp_avg_sq"):
             self.store.register(kind, n, size, torch.float32)
+        persistent = sum(r.nbytes for r in self.store.records.values() if r.key[0] != "grad")
+        # When the persistent state cannot all stay in memory, the optimizer writes each chunk's
+        # new state down as soon as it is done (see ChunkAdam.update).
+        self.spills = config.nvme_paths is not None and persistent > device_budget + cpu_budget
         if lazy is not None:
             self.params.fill_lazily("cpu", lazy, model)
         else:

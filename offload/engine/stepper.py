@@ -111,10 +111,18 @@ class ChunkAdam:
         return [tuple(r) for r in out if r is not None]
 
     def prefetch(self, c: int) -> None:
-        """Start bringing chunk ``c``'s optimizer inputs to the CPU tier (asynchronous)."""
+        """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
         kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
-            self.store.prefetch((kind, c), "cpu")
+            if self._tier((kind, c)) == "cpu":
+                self.store.prefetch((kind, c), "cpu")
+
+    def _tier(self, key) -> str:
+        """Where the update reads and writes ``key``: the CPU tier, or — when the compute device is
+        the CPU itself — the device tier if the chunk is already there (both are host memory)."""
+        if self.engine.device.type == "cpu" and "device" in self.store.records[key].valid:
+            return "device"
+        return "cpu"
 
     def update(self, c: int, runs, grad_scale: float) -> None:
         if not runs:
@@ -123,23 +131,24 @@ class ChunkAdam:
         tracer = self.engine.tracer
         master_kind = "master" if params.has_master else "param"
         pinned = []
+
+        def take(key, dirty, overwrite=False):
+            tier = self._tier(key)
+            view = store.access(key, tier, overwrite=overwrite)
+            pinned.append((key, tier, dirty))
+            return view
+
         try:
             with tracer.span(f"fetch opt {c}", "optimizer_wait", chunk=c):
-                grad = store.access(("grad", c), "cpu")
-                pinned.append((("grad", c), False))
-                master = store.access((master_kind, c), "cpu")
-                pinned.append(((master_kind, c), True))
+                grad = take(("grad", c), False)
+                master = take((master_kind, c), True)
                 states = []
                 for kind in STATE_KINDS:
                     key = (kind, c)
                     if store.records[key].state.name == "FREE":
                         store.initialize(key, "cpu")          # torch creates zeros at the first step
-                    states.append(store.access(key, "cpu"))
-                    pinned.append((key, True))
-                out = None
-                if params.has_master:
-                    out = store.access(("param", c), "cpu", overwrite=True)
-                    pinned.append((("param", c), True))
+                    states.append(take(key, True))
+                out = take(("param", c), True, overwrite=True) if params.has_master else None
             with tracer.span(f"adam {c}", "adam", chunk=c):
                 for start, end, h, step in runs:
                     adam_step(master[start:end], grad[start:end], states[0][start:end], states[1][start:end],
@@ -150,8 +159,14 @@ class ChunkAdam:
                     # Parameters skipped this step keep their values in the rewritten chunk.
                     self._copy_skipped(c, master, out, runs)
         finally:
-            for key, dirty in reversed(pinned):
-                store.release(key, "cpu", dirty=dirty)
+            for key, tier, dirty in reversed(pinned):
+                store.release(key, tier, dirty=dirty)
+        if self.engine.spills:
+            # The state will not stay in memory until the next step: start writing it down now,
+            # while the next chunk is updated, so that its eviction later costs nothing.
+            for key, _, dirty in pinned:
+                if dirty:
+                    store.start_writeback(key)
 
     def _copy_skipped(self, c, master, out, runs) -> None:
         covered = torch.zeros(out.numel(), dtype=torch.bool)
@@ -173,6 +188,8 @@ class ChunkAdam:
             self._worker = threading.Thread(target=self._run, name="offload-adam", daemon=True)
             self._worker.start()
         self.prefetch(c)
+        for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
+            self.prefetch(ahead)      # backward completes chunks in reverse order
         self._queue.put((c, runs, grad_scale))
 
     def _run(self) -> None:

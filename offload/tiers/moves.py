@@ -13,10 +13,16 @@ import torch
 
 
 class Move:
-    """One in-flight copy. ``wait()`` blocks until the bytes are in place, then runs ``on_done`` once;
-    if the copy failed it runs ``on_fail`` once and re-raises. Safe to wait from several threads."""
+    """One in-flight copy, in two halves so nobody waits on I/O while holding the store's lock.
 
-    __slots__ = ("src", "dst", "nbytes", "_wait", "on_done", "on_fail", "_finished", "_error", "_lock")
+    ``wait_io()`` blocks until the bytes are in place (or the copy failed) and takes no lock but
+    the move's own: any number of threads may call it. ``finish()`` then runs ``on_done`` once
+    (or ``on_fail`` once and re-raises) and is called with the store's lock held. ``wait()`` is
+    both, for callers that already hold that lock.
+    """
+
+    __slots__ = ("src", "dst", "nbytes", "_wait", "on_done", "on_fail", "_finished", "_error",
+                 "_io_lock", "_io_done")
 
     def __init__(self, src: str, dst: str, nbytes: int, wait: Callable[[], None] | None,
                  on_done: Callable[[], None] | None = None, on_fail: Callable[[], None] | None = None):
@@ -26,29 +32,48 @@ class Move:
         self.on_fail = on_fail
         self._finished = False
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._io_lock = threading.Lock()
+        self._io_done = wait is None
 
     @property
     def finished(self) -> bool:
         return self._finished
 
-    def wait(self) -> None:
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._finished:
-                return
-            try:
-                if self._wait is not None:
-                    self._wait()
-            except BaseException as exc:
-                self._error = exc
-                if self.on_fail is not None:
-                    self.on_fail()
-                raise
+    @property
+    def synchronous(self) -> bool:
+        return self._wait is None
+
+    def wait_io(self) -> None:
+        if not self._io_done:
+            with self._io_lock:
+                if not self._io_done:
+                    try:
+                        self._wait()
+                    except BaseException as exc:
+                        self._error = exc
+                    finally:
+                        self._io_done = True
+        if self._error is not None:
+            raise self._error
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        try:
+            self.wait_io()
+        except BaseException:
             self._finished = True
-            if self.on_done is not None:
-                self.on_done()
+            if self.on_fail is not None:
+                self.on_fail()
+            raise
+        self._finished = True
+        if self.on_done is not None:
+            self.on_done()
+
+    def wait(self) -> None:
+        if self._finished and self._error is not None:
+            raise self._error
+        self.finish()
 
 
 _side_streams: dict[int, "torch.cuda.Stream"] = {}
