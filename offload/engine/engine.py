@@ -72,6 +72,7 @@ class OffloadEngine:
                                   cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
         shapes = [(n, self._shapes.get(id(p), p.shape)) for n, p in named]
         self.layout = ChunkLayout.build(shapes, config.chunk_size, max_chunk=max_chunk)
+        self._check_budgets(device_budget, cpu_budget)
         self.policy = NextUsePolicy(auto_advance=False) if config.eviction == "next_use" else LRUPolicy()
         tiers = [MemoryTier("device", device_budget, self.device),
                  MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
@@ -112,6 +113,31 @@ class OffloadEngine:
         self._closed = False
 
     # ---- set-up -------------------------------------------------------------------------
+    def _check_budgets(self, device_budget: int, cpu_budget: int) -> None:
+        """Refuse up front budgets that cannot hold the minimum working set of one step.
+
+        Backward pins a module's parameter chunks (a module may straddle two) while the fp32
+        gradient chunks of those parameters fill; one chunk's update pins its gradient, master,
+        exp_avg, exp_avg_sq and parameters on the CPU at once.
+        """
+        from ..units import format_bytes
+
+        n = self.layout.chunk_size
+        e = self.dtype.itemsize
+        need_device = 2 * n * (e + 4)
+        need_cpu = n * (4 + 4 + 4 + (4 if e < 4 else 0) + e)
+        largest = max(s.numel for s in self.layout.slots)
+        why = (f"chunks are {n} elements (the largest parameter has {largest}); "
+               "raise the budget or lower chunk_size")
+        if device_budget < need_device:
+            raise ConfigError("device_budget", device_budget,
+                              f"holds less than the {format_bytes(need_device)} one backward step needs "
+                              f"(2 parameter and 2 fp32 gradient chunks): {why}")
+        if cpu_budget < need_cpu:
+            raise ConfigError("cpu_budget", cpu_budget,
+                              f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
+                              f"needs (gradient, master, exp_avg, exp_avg_sq, parameters): {why}")
+
     def _replace_meta_parameters(self, named):
         """Swap each meta parameter for a real one with placeholder data (ties kept).
 
