@@ -1,28 +1,46 @@
 """The planner: where a model's state goes on a box, what moves per step, and how long a step takes.
 
 Pure arithmetic over figures someone measured or stated (``offload/planner_cli.py`` gathers them);
-nothing here measures, allocates or touches a device.
+nothing here measures, allocates or touches a device. It models what ``OffloadEngine`` does:
 
 Units: bytes, seconds, parameters (elements); bandwidths in GB/s and compute in TFLOPS, both
-decimal (1 GB/s = 1e9 bytes/s). The model of a step, per DESIGN.md:
+decimal (1 GB/s = 1e9 bytes/s).
 
-* Bytes per parameter: compute parameter ``e`` (2 for bf16/fp16, 4 for fp32), fp32 master 4
+* Chunks. Every kind of state is stored in chunks of one geometry (``offload.chunks.layout``):
+  the chunk size is the engine's "auto" choice, min(32 Mi elements, device_budget / 32 B,
+  cpu_budget / 48 B) but at least the largest parameter, and padding counts. Kinds, bytes per
+  element: compute parameters ``e`` (2 for bf16/fp16, 4 for fp32), fp32 gradients 4, fp32 master 4
   (none for fp32 compute: the parameter is the master), ``exp_avg`` 4, ``exp_avg_sq`` 4 —
-  14 B/param persistent for bf16 — plus ``e`` of gradient in flight.
-* Placement (the engine's policy): the device holds a window of layers (parameters and their
-  gradients) plus activations, or every parameter when they all fit. The CPU budget holds pinned
-  staging buffers, then as much state as fits in priority order: compute parameters (read twice
-  a step), master, ``exp_avg``, ``exp_avg_sq``, whole gradients (only when the step is deferred
-  to the end of backward, e.g. for global-norm clipping). NVMe holds the rest.
-* Traffic per step: optimizer state on NVMe is read and written once; parameters on NVMe are
-  written once (after the update) and read twice (forward and backward) unless they stay on the
-  device; PCIe carries the parameters host→device twice (once when they stay resident) and the
-  gradients device→host once.
-* Step time is the bound ``max(compute, PCIe, NVMe, Adam)`` (perfect overlap). PCIe is full duplex
-  (separate lanes and copy engines each way): max(H2D, D2H) / GB/s. NVMe is *not* treated as full
-  duplex: reads and writes share the drives' flash channels and controller (and here the virtio
-  disk), so its time is read/read_GBps + write/write_GBps — conservative, and what mixed workloads
-  measure. Without a GPU, compute and Adam run on the same cores and add up; disk I/O (DMA) overlaps.
+  18 B/param for bf16, 16 for fp32.
+* Budgets are chunk storage only. ``device_budget``: parameter chunks and the fp32 gradient chunks
+  being filled on the compute device; activations, autograd temporaries and the CUDA context are
+  outside it (torch's allocator), so a GPU needs device_budget + activations + workspace, and a
+  CPU-only box (whose "device" is a region of RAM) device_budget + cpu_budget + activations of
+  RAM. ``cpu_budget``: chunks of every kind in RAM; NVMe I/O goes straight into them (no staging).
+  Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
+  CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
+* Minimums: the device must hold ~6 chunks at once (the tied embedding's chunk, a layer's parameter
+  chunks and the fp32 gradient chunks being filled): 6 x 4 B x chunk; the CPU one chunk of each
+  kind for the optimizer (18 B x chunk in bf16).
+* Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
+  (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
+  updates and the next one's prefetch), parameters first (read every step), then master,
+  ``exp_avg``, ``exp_avg_sq`` (and whole gradients when the step is deferred). With NVMe paths
+  every chunk of every kind has a slot reserved up front: NVMe space needed = all chunks.
+* Traffic per step: parameter chunks go CPU->device for the forward (the update rewrote them on the
+  CPU, so even resident ones are fetched once) and again for the backward, less what the device
+  kept; those not in the CPU tier come from NVMe first (and are written back after the update);
+  fp32 gradients device->CPU once; each chunk's optimizer state that lives on NVMe is read once and
+  written once. Without a GPU the device<->CPU copies are memcpy within RAM: counted in
+  ``breakdown["device_cpu_copy_bytes"]``, not timed (PCIe terms are 0).
+* Step time. GPU: ``max(compute, PCIe, NVMe, Adam)`` when the optimizer overlaps backward; with a
+  deferred step (clipping, fp16) the optimizer's part — max(Adam, its NVMe traffic) — comes after
+  the backward and adds. PCIe is full duplex: max(H2D, D2H) / GB/s. NVMe is not: reads and writes
+  share the drives, read/read_GBps + write/write_GBps. Without a GPU, compute, Adam and the disk
+  path add up: the same cores run the layers, Adam and the I/O copies, and the chunk store waits on
+  I/O holding its lock, which stalls the compute thread's next fetch (measured: NVMe traffic adds
+  its time to a CPU-only step rather than hiding under it). Compute is the training FLOPs at the
+  measured rate, x 4/3 with activation checkpointing (each layer's forward runs again in backward).
 """
 
 from __future__ import annotations
@@ -32,12 +50,27 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
+from .chunks.layout import CHUNK_QUANTUM, DEFAULT_MAX_CHUNK, PARAM_ALIGN, _pack, search_chunk_size
 from .errors import ConfigError
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count, param_count
+from .tiers.budgets import AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STATE_KINDS = ("params", "master", "exp_avg", "exp_avg_sq", "grads")
+"""The CPU tier's priority order (gradients only stay there whole when the step is deferred)."""
+
+# offload/engine/engine.py: "auto" chunk sizes fit this many fp32 chunks in each budget
+CHUNKS_PER_DEVICE_BUDGET = 8
+CHUNKS_PER_CPU_BUDGET = 12
+MIN_DEVICE_CHUNKS = 6
+"""Chunks the device tier must hold at once (tied embedding + a layer's parameter and gradient chunks),
+counted as fp32 gradient chunks (4 B/element)."""
+CPU_WORKING_SETS = 2
+"""Chunk sets (one chunk of every kind) the CPU tier keeps free for Adam: the chunk being updated
+and the next one being prefetched."""
+GPU_WORKSPACE = 1 << 30
+"""GPU memory outside the budget and the activations: CUDA context, cuBLAS workspace, allocator slack."""
 
 
 def _positive(obj, name: str, allow_zero: bool = False, optional: bool = False) -> None:
@@ -88,7 +121,7 @@ class Hardware:
 class Policy:
     """How the engine would run the model (the knobs that change the plan)."""
 
-    batch_tokens: int = 16384
+    batch_tokens: int = 8192
     """Tokens per optimizer step (one forward/backward; no gradient accumulation)."""
     seq_len: int | None = None
     """Sequence length; None: min(model max_seq_len, batch_tokens)."""
@@ -97,13 +130,12 @@ class Policy:
     activation_checkpointing: bool = True
     """Keep only each layer's input; recompute the layer in backward (one more forward)."""
     device_budget: int | None = None
-    """Bytes of device memory for the engine; None: 90% of gpu_mem (CPU-only: what it needs)."""
+    """Bytes of chunk storage on the compute device; None: the engine's "auto" (GPU: 50% of gpu_mem,
+    CPU-only: 25% of cpu_mem)."""
     cpu_budget: int | None = None
-    """Bytes of RAM for the engine; None: cpu_mem less max(2 GiB, 10%) for the OS and Python."""
-    window_layers: int = 3
-    """Layers resident on the device at once: being evicted, computing, being prefetched."""
-    optimizer_chunk: int = 1 << 26
-    """Elements per optimizer chunk; the Adam pipeline double-buffers two of them in pinned memory."""
+    """Bytes of chunk storage in RAM; None: the engine's "auto" (50% of cpu_mem less a CPU device's share)."""
+    chunk_size: int | None = None
+    """Elements per chunk; None: the engine's "auto" search."""
     defer_step: bool = False
     """Hold all gradients until backward ends (global-norm clipping, fp16 overflow checks)."""
 
@@ -114,8 +146,9 @@ class Policy:
             raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
         _positive(self, "device_budget", optional=True)
         _positive(self, "cpu_budget", optional=True)
-        _positive(self, "window_layers")
-        _positive(self, "optimizer_chunk")
+        _positive(self, "chunk_size", optional=True)
+        if self.chunk_size is not None and self.chunk_size % CHUNK_QUANTUM:
+            raise ConfigError("chunk_size", self.chunk_size, f"must be a multiple of {CHUNK_QUANTUM}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +161,7 @@ class Plan:
     """{"device"|"cpu"|"nvme": {"bytes": total, <kind>: bytes, ...}}"""
     nvme_bytes_needed: int
     bytes_per_step: dict
-    """{"nvme_read", "nvme_write", "pcie_h2d", "pcie_d2h"}: bytes per optimizer step."""
+    """{"nvme_read", "nvme_write", "pcie_h2d", "pcie_d2h"}: bytes per optimizer step (PCIe 0 without a GPU)."""
     step_terms_s: dict
     """{"compute", "pcie", "nvme", "adam"}: seconds each would take alone."""
     predicted_step_s: float
@@ -138,7 +171,7 @@ class Plan:
     gpu_bound_batch_tokens: int | None
     """Batch (tokens/step) from which compute is the bottleneck; None if it already is."""
     max_batch_tokens: int | None
-    """Largest batch whose activations fit the device budget (whole sequences)."""
+    """Largest batch whose activations fit beside the budgets (GPU memory, or RAM without a GPU)."""
     breakdown: dict = field(default_factory=dict)
     hardware: dict = field(default_factory=dict)
     policy: dict = field(default_factory=dict)
@@ -191,6 +224,51 @@ def activation_bytes_per_token(cfg: LlamaConfig, elem: int, checkpointing: bool)
     return {"layer_inputs": inputs, "layer_working": working, "logits": cfg.vocab_size * (elem + 8)}
 
 
+def param_numels(cfg: LlamaConfig) -> list[int]:
+    """Elements of each parameter of ``LlamaForCausalLM(cfg)`` in ``named_parameters()`` order (the
+    order the engine packs them into chunks; a tied lm_head is the embedding)."""
+    h, kv, i, v = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
+    layer = [h * h, kv * h, kv * h, h * h, i * h, i * h, h * i, h, h]
+    return [v * h] + layer * cfg.num_layers + [h] + ([] if cfg.tie_embeddings else [v * h])
+
+
+def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None) -> tuple[int, int]:
+    """``(device_budget, cpu_budget)`` as ``offload.tiers.budgets.resolve_budgets`` turns "auto" into
+    bytes, with ``gpu_mem`` and ``cpu_mem`` standing for the free GPU memory and available RAM."""
+    gpu = hw.gpu_mem is not None
+    if device_budget is None:
+        device_budget = int(hw.gpu_mem * AUTO_DEVICE_SHARE_CUDA) if gpu else int(hw.cpu_mem * AUTO_DEVICE_SHARE_CPU)
+    if cpu_budget is None:
+        taken = 0 if gpu else device_budget
+        cpu_budget = max(int((hw.cpu_mem - taken) * AUTO_CPU_SHARE), 1 << 20)
+    return device_budget, cpu_budget
+
+
+def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
+                   chunk_size: int | None = None) -> tuple[int, int]:
+    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
+    numels = param_numels(cfg)
+    if chunk_size is None:
+        max_chunk = max(CHUNK_QUANTUM, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
+                                           cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
+        chunk_size = search_chunk_size(numels, max_chunk=max_chunk)
+    elif chunk_size < max(numels):
+        raise ConfigError("chunk_size", chunk_size,
+                          f"the largest parameter has {max(numels)} elements and must fit in one chunk")
+    return chunk_size, _pack(numels, chunk_size, PARAM_ALIGN)[-1][0] + 1
+
+
+def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
+    """Fill ``room`` bytes with ``kinds`` in ``order``: (what stays, what spills)."""
+    here, rest = {}, {}
+    room = max(room, 0)
+    for kind in order:
+        take = min(kinds.get(kind, 0), room)
+        room -= take
+        here[kind], rest[kind] = take, kinds.get(kind, 0) - take
+    return here, rest
+
+
 def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Policy(), *,
          name: str | None = None) -> Plan:
     """Place ``model``'s state on ``hardware`` under ``policy`` and predict one step."""
@@ -204,60 +282,56 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     if seq > po.batch_tokens:
         raise ConfigError("seq_len", seq, f"is longer than batch_tokens={po.batch_tokens}")
     gpu = hw.gpu_mem is not None
+    device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
-    # ---- the device tier: a window of layers (or every parameter) + activations
+    # ---- chunks: every kind has the same geometry; padding is stored like parameters
+    chunk, num_chunks = chunk_geometry(cfg, device_budget, cpu_budget, po.chunk_size)
+    elems = chunk * num_chunks
+    per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
+    total = {k: elems * b for k, b in per_elem.items()}
+    set_bytes = chunk * sum(per_elem.values())              # one chunk of every kind
+    state_bytes = sum(total.values())
+
+    # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
     layer_params = layer_param_count(cfg)
-    unit = max(layer_params, cfg.vocab_size * cfg.hidden_size)   # the largest thing fetched at once
+    layer_chunks = min(num_chunks, -(-layer_params // chunk) + 1)
+    grads_window = min(total["grads"], layer_chunks * chunk * 4)
+    dev_params = min(total["params"], max(0, device_budget - grads_window))
+    resident = dev_params == total["params"]
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
     acts = {k: v * po.batch_tokens for k, v in act_per_tok.items()}
     act_total = sum(acts.values())
-    window = min(po.window_layers * unit, n)
-    grads_window = window * e
-    cpu_budget = po.cpu_budget if po.cpu_budget is not None else \
-        hw.cpu_mem - max(2 << 30, hw.cpu_mem // 10)
-    if gpu:
-        device_budget = po.device_budget if po.device_budget is not None else int(hw.gpu_mem * 0.9)
-        resident = n * e + grads_window + act_total <= device_budget
-    else:
-        # CPU-only: the device tier is a slice of the same RAM (a window of layers and the
-        # activations); the other parameters sit in the CPU tier, so "resident" buys nothing
-        device_budget = po.device_budget if po.device_budget is not None else cpu_budget
-        resident = False
-    dev_params = n * e if resident else window * e
-    device = {"params": dev_params, "grads": grads_window, "activations": act_total}
-    device_need = sum(device.values())
+    device_min = MIN_DEVICE_CHUNKS * chunk * 4
+    tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
-    # ---- the CPU tier: staging buffers, then state by priority; NVMe: the rest
-    kinds = {"params": 0 if resident else n * e, "master": n * master_b,
-             "exp_avg": n * 4, "exp_avg_sq": n * 4, "grads": n * e if po.defer_step else 0}
-    if not gpu:
-        kinds["params"] = max(0, n * e - dev_params)                 # the window's share is on "device"
-    staging = (0 if resident else window * e) + grads_window if gpu else 0   # H2D params, D2H grads
-    for spill in (False, True):
-        if spill:   # state reaches NVMe: the Adam pipeline double-buffers a chunk of it in pinned RAM
-            staging += 2 * min(po.optimizer_chunk, n) * (12 + e)
-        cpu_room = cpu_budget - staging - (0 if gpu else device_need)
-        cpu, nvme = {"staging": staging}, {}
-        room = max(cpu_room, 0)
-        for kind in STATE_KINDS:
-            here = min(kinds[kind], room)
-            room -= here
-            cpu[kind], nvme[kind] = here, kinds[kind] - here
-        if not any(nvme.values()):
-            break
-    tiers = {"device": {"bytes": device_need, **device},
-             "cpu": {"bytes": sum(cpu.values()), **cpu},
-             "nvme": {"bytes": sum(nvme.values()), **nvme}}
-    nvme_needed = tiers["nvme"]["bytes"]
+    # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
+    cpu_min = set_bytes
+    working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
+    lower = dict(total)            # what lives below the device
+    lower["grads"] = total["grads"] if po.defer_step else 0   # else consumed by Adam as they arrive
+    nvme_tier = hw.nvme_capacity > 0
+    cpu, spill = _split(lower, STATE_KINDS, cpu_budget - working)
+    if not nvme_tier:
+        # the CPU tier is the bottom: everything must be held in RAM (the device's parameters are copies)
+        spill = {k: 0 for k in spill}
+    tiers = {"device": {"bytes": sum(tiers_device.values()), **tiers_device},
+             "cpu": {"bytes": sum(cpu.values()) + working, "working": working, **cpu},
+             "nvme": {"bytes": sum(spill.values()), **spill}}
+    nvme_needed = state_bytes if nvme_tier else 0          # a slot for every chunk of every kind
 
     # ---- traffic per step
-    opt_nvme = nvme["master"] + nvme["exp_avg"] + nvme["exp_avg_sq"] + nvme["grads"]
-    param_reads = 0 if resident else 2
+    h2d_fwd = total["params"]                                  # rewritten on the CPU by the update
+    h2d_bwd = total["params"] - dev_params                     # what the device could not keep
+    d2h = total["grads"]
+    pn = spill["params"]
+    refetch = pn * h2d_bwd / total["params"] if total["params"] else 0
+    opt_nvme = spill["master"] + spill["exp_avg"] + spill["exp_avg_sq"] + spill["grads"]
+    opt_read = opt_nvme + (0 if master_b else pn)               # fp32: Adam reads the parameter as master
     traffic = {
-        "nvme_read": opt_nvme + param_reads * nvme["params"],
-        "nvme_write": opt_nvme + nvme["params"],
-        "pcie_h2d": (n * e * (1 if resident else 2)) if gpu else 0,
-        "pcie_d2h": n * e if gpu else 0,
+        "nvme_read": int(opt_read + pn + refetch),
+        "nvme_write": int(opt_nvme + pn),
+        "pcie_h2d": h2d_fwd + h2d_bwd if gpu else 0,
+        "pcie_d2h": d2h if gpu else 0,
     }
 
     # ---- time per step
@@ -266,80 +340,107 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         per_tok *= 4.0 / 3.0             # one more forward, and the forward is 1/3 of fwd + bwd
     rate = hw.compute_tflops * 1e12
     compute_per_tok = per_tok / rate
-    nvme_s = 0.0
-    if (traffic["nvme_read"] or traffic["nvme_write"]) and hw.nvme_capacity > 0:
-        # (without an NVMe tier the plan is refused below; its disk time is moot)
+    nvme_s = opt_nvme_s = 0.0
+    if (traffic["nvme_read"] or traffic["nvme_write"]) and nvme_tier:
         if hw.nvme_read_gbps <= 0 or hw.nvme_write_gbps <= 0:
             raise ConfigError("nvme_gbps", hw.nvme_read_gbps,
                               f"the plan moves {format_size(traffic['nvme_read'] + traffic['nvme_write'])} "
                               "through NVMe per step: an NVMe bandwidth > 0 is needed")
         nvme_s = traffic["nvme_read"] / (hw.nvme_read_gbps * GB) + \
             traffic["nvme_write"] / (hw.nvme_write_gbps * GB)
+        opt_nvme_s = opt_read / (hw.nvme_read_gbps * GB) + opt_nvme / (hw.nvme_write_gbps * GB)
     terms = {
         "compute": po.batch_tokens * compute_per_tok,
         "pcie": max(traffic["pcie_h2d"], traffic["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
         "adam": n / hw.adam_params_per_s,
     }
-    if gpu:
+    if gpu and not po.defer_step:
         predicted = max(terms.values())
         bottleneck = max(terms, key=terms.get)
         others = max(terms["pcie"], terms["nvme"], terms["adam"])
         gpu_bound = None if bottleneck == "compute" else others / compute_per_tok
+    elif gpu:
+        # the optimizer (and its share of the disk) runs after the backward
+        during = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": nvme_s - opt_nvme_s}
+        after = {"adam": terms["adam"], "nvme": opt_nvme_s}
+        predicted = max(during.values()) + max(after.values())
+        parts = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": during["nvme"] + opt_nvme_s,
+                 "adam": terms["adam"]}
+        bottleneck = max(parts, key=parts.get)
+        others = max(during["pcie"], during["nvme"])
+        gpu_bound = None if terms["compute"] >= others else others / compute_per_tok
     else:
-        cores = terms["compute"] + terms["adam"]
-        predicted = max(cores, terms["nvme"])
-        if cores >= terms["nvme"]:
-            bottleneck = "compute" if terms["compute"] >= terms["adam"] else "adam"
-        else:
-            bottleneck = "nvme"
-        # compute leads once it beats Adam and the cores outlast the disk
-        gpu_bound = None if bottleneck == "compute" else \
-            max(terms["adam"], terms["nvme"] - terms["adam"]) / compute_per_tok
+        # one pair of cores runs the layers, Adam and the I/O path; store waits block the compute thread
+        predicted = terms["compute"] + terms["adam"] + terms["nvme"]
+        bottleneck = max(("compute", "adam", "nvme"), key=terms.get)
+        # compute leads once it is the largest of the three
+        gpu_bound = None if bottleneck == "compute" else max(terms["adam"], terms["nvme"]) / compute_per_tok
     gpu_bound_tokens = None if gpu_bound is None else max(seq, math.ceil(gpu_bound / seq) * seq)
-    act_room = device_budget - dev_params - grads_window
-    max_batch = act_room // sum(act_per_tok.values()) // seq * seq if act_room > 0 else 0
 
     # ---- does it fit?
+    act_tok = sum(act_per_tok.values())
+    if gpu:
+        act_room = hw.gpu_mem - device_budget - GPU_WORKSPACE
+    else:
+        act_room = hw.cpu_mem - device_budget - cpu_budget
+    max_batch = act_room // act_tok // seq * seq if act_room > 0 else 0
     problems = []
-    if device_need > device_budget:
-        what = "GPU" if gpu else "CPU (compute tier)"
+    if device_budget < device_min:
         problems.append(
-            f"{what} needs {format_size(device_need)} ({format_size(act_total)} activations for "
-            f"{po.batch_tokens} tokens + {format_size(dev_params + grads_window)} of parameters and "
-            f"gradients), budget {format_size(device_budget)}; at most {max_batch} tokens/step fit")
-    if cpu_room < 0:
-        problems.append(f"CPU needs {format_size(cpu_budget - cpu_room)} for buffers"
-                        f"{'' if gpu else ' and the compute tier'}, budget {format_size(cpu_budget)}")
-    if nvme_needed > hw.nvme_capacity:
-        if hw.nvme_capacity == 0:
-            problems.append(f"state needs {format_size(nvme_needed)} beyond the CPU budget of "
-                            f"{format_size(cpu_budget)} and there is no NVMe tier (give --nvme-path)")
-        else:
-            problems.append(f"NVMe needs {format_size(nvme_needed)}, "
-                            f"{format_size(hw.nvme_capacity)} free at "
-                            f"{hw.nvme_where}")
+            f"device budget {format_size(device_budget)} is below {MIN_DEVICE_CHUNKS} chunks of "
+            f"{chunk:,} elements as fp32 gradients ({format_size(device_min)}): the device holds the tied "
+            f"embedding's chunk and a layer's parameter and gradient chunks at once")
+    if cpu_budget < cpu_min:
+        problems.append(
+            f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
+            f"({format_size(cpu_min)}: {chunk:,} elements x {sum(per_elem.values())} B) that Adam needs at once")
+    if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
+        problems.append(
+            f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "
+            f"{format_size(device_budget)} + {format_size(act_total)} activations for {po.batch_tokens} "
+            f"tokens + {format_size(GPU_WORKSPACE)} workspace), has {format_size(hw.gpu_mem)}; at most "
+            f"{max_batch} tokens/step fit")
+    if not gpu and device_budget + cpu_budget + act_total > hw.cpu_mem:
+        problems.append(
+            f"RAM needs {format_size(device_budget + cpu_budget + act_total)} (device budget "
+            f"{format_size(device_budget)} + CPU budget {format_size(cpu_budget)} + "
+            f"{format_size(act_total)} activations for {po.batch_tokens} tokens), "
+            f"{format_size(hw.cpu_mem)} available; at most {max_batch} tokens/step fit")
+    if not nvme_tier:
+        held = state_bytes - (0 if po.defer_step else total["grads"])
+        if held > cpu_budget - working:
+            problems.append(f"state needs {format_size(held)} in RAM beyond the CPU budget's room of "
+                            f"{format_size(max(cpu_budget - working, 0))} and there is no NVMe tier "
+                            f"(give --nvme-path)")
+    elif nvme_needed > hw.nvme_capacity:
+        problems.append(f"NVMe needs {format_size(nvme_needed)}, {format_size(hw.nvme_capacity)} free at "
+                        f"{hw.nvme_where}")
     fits = not problems
     if problems:
         reason = "; ".join(problems)
     elif gpu:
-        reason = (f"fits: {format_size(device_need)} on the GPU of {format_size(device_budget)}, "
-                  f"{format_size(tiers['cpu']['bytes'])} in RAM of {format_size(cpu_budget)}, "
+        reason = (f"fits: device budget {format_size(device_budget)} + {format_size(act_total)} activations "
+                  f"on the GPU of {format_size(hw.gpu_mem)}, CPU budget {format_size(cpu_budget)}, "
                   f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}")
     else:
-        reason = (f"fits: {format_size(device_need + tiers['cpu']['bytes'])} in RAM of "
-                  f"{format_size(cpu_budget)} "
-                  f"({format_size(device_need)} of it the compute tier), "
+        reason = (f"fits: budgets {format_size(device_budget)} (device) + {format_size(cpu_budget)} (CPU) "
+                  f"+ {format_size(act_total)} activations in RAM of {format_size(hw.cpu_mem)}, "
                   f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}")
 
     breakdown = {
         "seq_len": seq, "dtype_bytes": e, "device_budget": device_budget, "cpu_budget": cpu_budget,
+        "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": elems - n,
+        "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
         "params_resident_on_device": resident, "layer_params": layer_params,
-        "state_bytes": n * (e + master_b + 8 + (e if po.defer_step else 0)),
-        "state_bytes_per_param": e + master_b + 8, "activations": acts,
+        "state_bytes": state_bytes, "state_bytes_per_param": sum(per_elem.values()),
+        "state_by_kind": total, "activations": acts,
+        "device_cpu_copy_bytes": {"h2d": h2d_fwd + h2d_bwd, "d2h": d2h},
+        "optimizer_nvme_bytes": opt_nvme,
         "train_flops_per_token": per_tok, "compute_s_per_token": compute_per_tok,
         "serial_step_s": sum(terms.values()),
         "compute_and_adam_share_cores": not gpu,
+        "optimizer_overlaps_backward": not po.defer_step,
     }
     return Plan(model=label, params=n, tiers=tiers, nvme_bytes_needed=nvme_needed,
                 bytes_per_step=traffic, step_terms_s=terms, predicted_step_s=predicted,

@@ -48,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--batch-tokens", type=int, help="tokens per step (default 16384)")
     a("--seq-len", type=int, help="sequence length (default: the model's, capped at --batch-tokens)")
     a("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="compute precision (default bf16)")
-    a("--device-budget", help="engine's device budget (default: 90%% of GPU memory)")
-    a("--cpu-budget", help="engine's CPU budget (default: RAM less max(2 GiB, 10%%))")
+    a("--device-budget", help="engine's device budget: chunk bytes on the compute device, activations "
+                              "not included (default: the engine's auto, 50%% of GPU memory; CPU-only 25%% of RAM)")
+    a("--cpu-budget", help="engine's CPU budget: chunk bytes in RAM (default: the engine's auto, 50%% of "
+                           "the RAM the device did not take)")
     a("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     a("--defer-step", action="store_true", help="hold all gradients until backward ends (grad clipping)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
@@ -316,6 +318,22 @@ def _timed(fn, min_s: float = 0.3, sync=lambda: None) -> float:
                 return (time.perf_counter() - t0) / calls
 
 
+def _median_time(fn, min_s: float = 1.5, min_calls: int = 5) -> float:
+    """Median seconds per call of ``fn`` after a warm-up call, over at least ``min_s`` and ``min_calls``.
+
+    A median of many calls, like a training run's median step: on a shared box one call that
+    lands on a busy (or an idle) moment does not set the rate.
+    """
+    fn()
+    times, t_end = [], time.perf_counter() + min_s
+    while len(times) < min_calls or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _gpu_tflops(cuda) -> float:
     import torch
 
@@ -341,7 +359,11 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
     """Achieved CPU GFLOPS for this model: forward + backward of one of its decoder layers at up
     to 4096 tokens when a layer is small enough to build here (it counts the norms, RoPE, SiLU and
     attention that a bare matmul leaves out, which matter on small models), else a matmul of the
-    model's MLP shape capped at 4096 (a CPU-only 100B plan only needs the order of magnitude)."""
+    model's MLP shape capped at 4096 (a CPU-only 100B plan only needs the order of magnitude).
+
+    The backward is seeded with a dense gradient, as a loss gives it (``out.sum().backward()``
+    seeds an expanded, stride-0 one, which sends the matmuls down other kernels), and the rate is
+    the median call over ~1.5 s. The planner adds the checkpoint recompute (x4/3) itself."""
     import torch
 
     from .models.llama import (LlamaDecoderLayer, _layer_matmul_params, _rope_tables, get_preset,
@@ -355,13 +377,19 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
     if layer_param_count(cfg) * 4 <= 256 << 20:
         layer = LlamaDecoderLayer(cfg).to(tdtype)
         x = torch.randn(tokens // seq, seq, cfg.hidden_size, dtype=tdtype, requires_grad=True)
+        grad = torch.randn_like(x) * 1e-3
         cos, sin = _rope_tables(cfg, seq, "cpu", tdtype)
         flops = (6 * _layer_matmul_params(cfg) + 12 * cfg.hidden_size * seq) * tokens
-        return flops / _timed(lambda: layer(x, cos, sin).float().sum().backward()) / 1e9, \
-            "one decoder layer, fwd + bwd"
+
+        def call():
+            layer(x, cos, sin).backward(grad)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+
+        return flops / _median_time(call) / 1e9, "one decoder layer, fwd + bwd"
     m, k, n = min(tokens, 2048), min(cfg.hidden_size, 4096), min(cfg.intermediate_size, 4096)
     a, b = torch.randn(m, k, dtype=tdtype), torch.randn(k, n, dtype=tdtype)
-    return 2 * m * k * n / _timed(lambda: torch.mm(a, b)) / 1e9, f"{m}x{k}x{n} matmul"
+    return 2 * m * k * n / _median_time(lambda: torch.mm(a, b), min_s=0.5) / 1e9, f"{m}x{k}x{n} matmul"
 
 
 # ------------------------------------------------------------------ output
@@ -391,7 +419,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     for label, value, key in rows:
         lines.append(f"  {label:<16} {value:<36} {sources.get(key, '')}".rstrip())
 
-    kinds = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "activations", "staging"]
+    kinds = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "activations", "working"]
     dev_name = "device (GPU)" if gpu else "device (RAM)"
     lines += ["", "bytes per tier and kind",
               f"  {'':<12} {dev_name:>14} {'cpu':>14} {'nvme':>14}"]
@@ -401,26 +429,40 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
             continue
         label = "total" if kind == "bytes" else kind
         lines.append(f"  {label:<12} " + " ".join(f"{format_size(c) if c else '-':>14}" for c in cells))
-    budgets = (format_size(b["device_budget"]) if gpu else "(in cpu's)", format_size(b["cpu_budget"]),
+    budgets = (format_size(b["device_budget"]), format_size(b["cpu_budget"]),
                format_size(hw["nvme_capacity"]))
     lines.append(f"  {'budget':<12} " + " ".join(f"{x:>14}" for x in budgets))
-    lines += ["", f"NVMe space needed: {format_size(p.nvme_bytes_needed)} "
-              f"(all state: {format_size(b['state_bytes'])}, {b['state_bytes_per_param']} B/param"
-              f"{' + gradients' if po['defer_step'] else ''})"]
+    lines += [f"  (budgets are chunk storage: activations are outside the device budget; 'working' is CPU "
+              f"room for the chunk Adam updates and the next one; chunks of {b['chunk_size']:,} elements x "
+              f"{b['num_chunks']}, device minimum {format_size(b['device_min_bytes'])}, CPU minimum "
+              f"{format_size(b['cpu_min_bytes'])})",
+              "", f"NVMe space needed: {format_size(p.nvme_bytes_needed)} "
+              f"(a slot for every chunk of every kind: {format_size(b['state_bytes'])}, "
+              f"{b['state_bytes_per_param']} B/param incl. fp32 gradients and padding)"]
 
     bps, size = p.bytes_per_step, format_size
     lines += ["", "bytes moved per step",
               f"  NVMe read    {size(bps['nvme_read']):>10}   NVMe write {size(bps['nvme_write']):>10}",
               f"  PCIe H2D     {size(bps['pcie_h2d']):>10}   PCIe D2H   {size(bps['pcie_d2h']):>10}"]
+    if not gpu:
+        cp = b["device_cpu_copy_bytes"]
+        lines.append(f"  (no GPU: device<->CPU chunk copies are memcpy in RAM, {size(cp['h2d'])} + "
+                     f"{size(cp['d2h'])}, not timed)")
 
     why = {
         "compute": f"{b['train_flops_per_token']:.3g} FLOP/token x {po['batch_tokens']} tokens "
-                   f"at {hw['compute_tflops']:.4g} TFLOPS",
+                   f"at {hw['compute_tflops']:.4g} TFLOPS"
+                   f"{' (incl. the checkpoint recompute, x4/3)' if po['activation_checkpointing'] else ''}",
         "pcie": "max(H2D, D2H): the link is full duplex" if gpu else "no GPU",
         "nvme": "read/GBps + write/GBps: the drives share reads and writes",
         "adam": f"{p.params / 1e9:.2f} G params at {hw['adam_params_per_s'] / 1e9:.3g} G params/s",
     }
-    how = "max of the terms" if gpu else "max(compute + Adam, NVMe): without a GPU they share the cores"
+    if not gpu:
+        how = "compute + Adam + NVMe: without a GPU the same cores run all three and I/O waits stall compute"
+    elif po["defer_step"]:
+        how = "max(compute, PCIe, NVMe) + max(Adam, its NVMe): the step is deferred to after backward"
+    else:
+        how = "max of the terms: Adam overlaps backward"
     lines += ["", f"predicted step time: {_seconds(p.predicted_step_s)} ({how}); "
               f"{po['batch_tokens'] / p.predicted_step_s:,.0f} tokens/s"]
     for term in ("compute", "pcie", "nvme", "adam"):
@@ -431,7 +473,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
         lines.append(f"bottleneck: {p.bottleneck} — the {'GPU' if gpu else 'CPU'} is already the limit")
     else:
         fit = "" if p.max_batch_tokens is None or p.gpu_bound_batch_tokens <= p.max_batch_tokens else (
-            f"; but the {'GPU' if gpu else 'compute tier'} holds activations for at most "
+            f"; but {'the GPU' if gpu else 'RAM'} holds activations for at most "
             f"{p.max_batch_tokens} tokens/step (gradient accumulation would be needed; not modelled)")
         lines.append(f"bottleneck: {p.bottleneck}; compute becomes the bottleneck from "
                      f"{p.gpu_bound_batch_tokens} tokens/step{fit}")

@@ -12,7 +12,7 @@ from offload import planner_cli
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS, param_count
-from offload.planner import Hardware, Policy, plan
+from offload.planner import Hardware, Policy, format_size, plan
 
 N100 = param_count(PRESETS["100b"])
 H100_BOX = dict(gpu_mem=80 << 30, cpu_mem=512 << 30, nvme_capacity=8 << 40, nvme_read_gbps=25.0,
@@ -26,55 +26,100 @@ def box(**changes) -> Hardware:
     return Hardware(**{**H100_BOX, **changes})
 
 
-def test_100b_state_is_about_1_4_tb():
+def test_100b_state_is_every_chunk_of_every_kind():
     p = plan("llama-100b", box(cpu_mem=32 << 30))
+    b = p.breakdown
     assert p.params == N100
-    assert p.breakdown["state_bytes"] == 14 * N100
-    assert 1.35e12 < p.nvme_bytes_needed < 1.42e12          # nearly all of it, RAM being small
+    assert b["state_bytes_per_param"] == 18                        # 2 + 4 grad + 4 master + 4 + 4
+    # the 327.68M-element embedding sets the chunk size (>= the largest parameter), padding included
+    assert b["chunk_size"] == 32000 * 10240 and b["padding_elements"] > 0
+    elems = b["chunk_size"] * b["num_chunks"]
+    assert b["state_bytes"] == 18 * elems == p.nvme_bytes_needed   # a slot for each, reserved up front
     assert p.fits, p.reason
 
 
-def test_cpu_keeps_what_fits_in_priority_order():
+def test_chunk_geometry_matches_the_engine():
+    """Same chunk size and count as ``OffloadEngine`` builds for the same budgets."""
+    from offload.chunks.layout import ChunkLayout
+    from offload.engine import engine
+    from offload.models.llama import LlamaForCausalLM
+    from offload.planner import CHUNKS_PER_CPU_BUDGET, CHUNKS_PER_DEVICE_BUDGET, chunk_geometry, param_numels
+
+    assert (CHUNKS_PER_DEVICE_BUDGET, CHUNKS_PER_CPU_BUDGET) == (engine.CHUNKS_PER_DEVICE_BUDGET,
+                                                              engine.CHUNKS_PER_CPU_BUDGET)
+    cfg = PRESETS["tiny"]
+    import torch
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    numels = [p.numel() for _, p in model.named_parameters()]
+    assert numels == param_numels(cfg)
+    for dev, cpu in ((6 << 20, 8 << 20), (32 << 20, 48 << 20), (1 << 30, 1 << 30)):
+        max_chunk = max(2048, min(engine.DEFAULT_MAX_CHUNK, dev // 32, cpu // 48))
+        layout = ChunkLayout.build([(n, p.shape) for n, p in model.named_parameters()], max_chunk=max_chunk)
+        assert chunk_geometry(cfg, dev, cpu) == (layout.chunk_size, layout.num_chunks)
+
+
+def test_budgets_default_to_the_engines_auto():
     p = plan("100b", box())
-    cpu, nvme = p.tiers["cpu"], p.tiers["nvme"]
-    assert cpu["params"] == 2 * N100 and nvme["params"] == 0       # compute params first
-    assert cpu["master"] > 0 and nvme["master"] > 0                # then master, split
-    assert cpu["exp_avg"] == 0 and nvme["exp_avg_sq"] == 4 * N100
-    assert cpu["bytes"] <= p.breakdown["cpu_budget"]
-    assert cpu["bytes"] + nvme["bytes"] + p.tiers["device"]["params"] >= 14 * N100
+    assert p.breakdown["device_budget"] == (80 << 30) // 2
+    assert p.breakdown["cpu_budget"] == (512 << 30) // 2
+    cpu_box = Hardware(gpu_mem=None, cpu_mem=24 << 30, nvme_capacity=100 << 30, nvme_read_gbps=1.5,
+                       nvme_write_gbps=2.5, compute_tflops=0.2, adam_params_per_s=1.5e9)
+    p = plan("small", cpu_box, Policy(batch_tokens=2048, seq_len=256))
+    assert p.breakdown["device_budget"] == (24 << 30) // 4
+    assert p.breakdown["cpu_budget"] == ((24 << 30) - (24 << 30) // 4) // 2
+
+
+def test_budgets_are_chunk_storage_only():
+    p = plan("100b", box())
+    b, dev = p.breakdown, p.tiers["device"]
+    assert dev["params"] + dev["grads"] <= b["device_budget"]        # activations are beside it
+    assert dev["activations"] > 0 and dev["bytes"] == dev["params"] + dev["grads"] + dev["activations"]
+    cpu = p.tiers["cpu"]
+    assert cpu["bytes"] <= b["cpu_budget"] and cpu["working"] > 0 and "staging" not in cpu
+    assert cpu["params"] == b["state_by_kind"]["params"] and p.tiers["nvme"]["params"] == 0   # params first
+    assert cpu["master"] > 0 and p.tiers["nvme"]["master"] > 0                                # then master, split
+    assert cpu["exp_avg"] == 0 and p.tiers["nvme"]["exp_avg_sq"] == b["state_by_kind"]["exp_avg_sq"]
     for tier in p.tiers.values():
         assert tier["bytes"] == sum(v for k, v in tier.items() if k != "bytes")
 
 
-def test_bytes_per_step_match_design_numbers():
-    """All state on NVMe: read 12 B + 2x2 B, write 14 B per param; PCIe 2x2 B in, 2 B out."""
-    staging = plan("100b", box()).tiers["cpu"]["staging"]
-    p = plan("100b", box(), Policy(cpu_budget=staging))
-    b = p.bytes_per_step
-    assert p.tiers["cpu"]["bytes"] == staging
-    assert b["nvme_read"] == 12 * N100 + 4 * N100
-    assert b["nvme_write"] == 14 * N100
-    assert 2.5e12 < 12 * N100 + b["nvme_write"] < 2.7e12             # DESIGN: "about 2.6 TB"
-    assert b["pcie_h2d"] == 4 * N100 and b["pcie_d2h"] == 2 * N100
+def test_bytes_per_step_follow_the_engine():
+    """CPU budget at its minimum room: optimizer state read 12 B and written 12 B per element on NVMe,
+    parameters written once and read for forward and for what the device could not keep; PCIe carries
+    parameters in (forward + backward refetch) and fp32 gradients out."""
+    p = plan("100b", box(), Policy(cpu_budget=1 << 30, device_budget=16 << 30))
+    b, k, bps = p.breakdown, p.breakdown["state_by_kind"], p.bytes_per_step
+    elems = b["chunk_size"] * b["num_chunks"]
+    assert b["cpu_budget"] < b["cpu_min_bytes"] and not p.fits and "CPU budget" in p.reason
+    p = plan("100b", box(), Policy(cpu_budget=b["cpu_min_bytes"] * 2, device_budget=16 << 30))
+    b, k, bps = p.breakdown, p.breakdown["state_by_kind"], p.bytes_per_step
+    assert p.fits, p.reason
+    assert p.tiers["nvme"]["params"] == k["params"] == 2 * elems          # nothing left for state
+    refetch = k["params"] - p.tiers["device"]["params"]
+    assert bps["nvme_write"] == 12 * elems + 2 * elems
+    assert bps["nvme_read"] == 12 * elems + 2 * elems + refetch
+    assert bps["pcie_h2d"] == 2 * elems + refetch and bps["pcie_d2h"] == 4 * elems
     t = p.step_terms_s
-    assert t["nvme"] == pytest.approx(16 * N100 / 25e9 + 14 * N100 / 25e9)
-    assert t["pcie"] == pytest.approx(4 * N100 / 25e9)               # full duplex: the larger way
+    assert t["nvme"] == pytest.approx(bps["nvme_read"] / 25e9 + bps["nvme_write"] / 25e9)
+    assert t["pcie"] == pytest.approx(bps["pcie_d2h"] / 25e9)            # full duplex: the larger way
     assert t["adam"] == pytest.approx(N100 / 4e9)
     assert p.predicted_step_s == max(t.values())
 
 
 def test_small_model_stays_resident_on_the_gpu():
     p = plan("7b", box())
-    n = param_count(PRESETS["7b"])
+    k = p.breakdown["state_by_kind"]
     assert p.breakdown["params_resident_on_device"]
-    assert p.tiers["device"]["params"] == 2 * n
-    assert p.bytes_per_step["pcie_h2d"] == 2 * n                    # uploaded once after the step
-    assert p.bytes_per_step["nvme_read"] == 0 and p.nvme_bytes_needed == 0
+    assert p.tiers["device"]["params"] == k["params"]
+    assert p.bytes_per_step["pcie_h2d"] == k["params"]          # once: the update rewrote them on the CPU
+    assert p.bytes_per_step["nvme_read"] == 0 and p.tiers["nvme"]["bytes"] == 0
 
 
 @pytest.mark.parametrize("changes,expected", [
     ({}, "nvme"),
-    ({"nvme_read_gbps": 1000.0, "nvme_write_gbps": 1000.0, "adam_params_per_s": 1e12}, "compute"),
+    ({"nvme_read_gbps": 1000.0, "nvme_write_gbps": 1000.0, "adam_params_per_s": 1e12, "pcie_gbps": 1000.0},
+     "compute"),
     ({"nvme_read_gbps": 1000.0, "nvme_write_gbps": 1000.0, "pcie_gbps": 1.0}, "pcie"),
     ({"nvme_read_gbps": 1000.0, "nvme_write_gbps": 1000.0, "adam_params_per_s": 1e8}, "adam"),
 ])
@@ -84,27 +129,37 @@ def test_bottleneck_follows_the_figures(changes, expected):
 
 def test_gpu_bound_batch_is_where_compute_takes_over():
     hw = box(gpu_mem=1 << 40)                      # room for any activations
-    p = plan("100b", hw)
+    pol = dict(device_budget=40 << 30)
+    p = plan("100b", hw, Policy(**pol))
     b = p.gpu_bound_batch_tokens
     assert p.bottleneck == "nvme" and b % 4096 == 0
-    assert plan("100b", hw, Policy(batch_tokens=b)).bottleneck == "compute"
-    assert plan("100b", hw, Policy(batch_tokens=b - 4096)).bottleneck != "compute"
-    assert plan("100b", hw, Policy(batch_tokens=b)).gpu_bound_batch_tokens is None
+    assert plan("100b", hw, Policy(batch_tokens=b, **pol)).bottleneck == "compute"
+    assert plan("100b", hw, Policy(batch_tokens=b - 4096, **pol)).bottleneck != "compute"
+    assert plan("100b", hw, Policy(batch_tokens=b, **pol)).gpu_bound_batch_tokens is None
 
 
-def test_activations_limit_the_batch():
+def test_activations_limit_the_batch_beside_the_device_budget():
     p = plan("100b", box())
     assert 0 < p.max_batch_tokens < p.gpu_bound_batch_tokens
     assert p.fits
     refused = plan("100b", box(), Policy(batch_tokens=p.max_batch_tokens + 4096))
     assert not refused.fits and "GPU needs" in refused.reason and "tokens/step fit" in refused.reason
+    assert "activations" in refused.reason and "device budget" in refused.reason
     assert plan("100b", box(), Policy(batch_tokens=p.max_batch_tokens)).fits
+
+
+def test_refuses_a_device_budget_below_six_chunks():
+    p = plan("100b", box(), Policy(device_budget=4 << 30))
+    chunk = 32000 * 10240
+    assert not p.fits and p.breakdown["device_min_bytes"] == 6 * 4 * chunk
+    assert "device budget 4.29 GB is below 6 chunks of 327,680,000 elements" in p.reason
+    assert "7.86 GB" in p.reason
 
 
 def test_refuses_a_small_disk_with_the_numbers():
     p = plan("100b", box(nvme_capacity=500 * 10**9))
     assert not p.fits
-    assert "NVMe needs 930 GB, 500 GB free at /mnt/nvme0" == p.reason
+    assert p.reason == f"NVMe needs {format_size(p.breakdown['state_bytes'])}, 500 GB free at /mnt/nvme0"
     p = plan("100b", box(nvme_capacity=0, nvme_read_gbps=0.0, nvme_write_gbps=0.0))
     assert not p.fits and "no NVMe tier" in p.reason
 
@@ -115,31 +170,62 @@ def test_nvme_bandwidth_is_required_when_used():
     assert info.value.field == "nvme_gbps"
 
 
-def test_cpu_only_compute_and_adam_add_up():
-    hw = Hardware(gpu_mem=None, cpu_mem=24 << 30, nvme_capacity=100 << 30, nvme_read_gbps=1.5,
-                  nvme_write_gbps=2.5, pcie_gbps=0.0, compute_tflops=0.2, adam_params_per_s=1.5e9)
+CPU_BOX = dict(gpu_mem=None, cpu_mem=24 << 30, nvme_capacity=100 << 30, nvme_read_gbps=1.5,
+               nvme_write_gbps=2.5, pcie_gbps=0.0, compute_tflops=0.2, adam_params_per_s=1.5e9)
+
+
+def test_cpu_only_compute_adam_and_disk_add_up():
+    hw = Hardware(**CPU_BOX)
     p = plan("small", hw, Policy(batch_tokens=4096))
     t = p.step_terms_s
     assert p.bytes_per_step["pcie_h2d"] == 0 and t["pcie"] == 0
-    assert p.nvme_bytes_needed == 0                                   # 24 GB of RAM holds 24M params
+    assert p.bytes_per_step["nvme_read"] == 0 and p.tiers["nvme"]["bytes"] == 0   # auto budgets hold it
+    assert p.breakdown["device_cpu_copy_bytes"]["d2h"] > 0                       # memcpy, not timed
     assert p.predicted_step_s == pytest.approx(t["compute"] + t["adam"])
     # a model whose state is several times the CPU budget spills to NVMe and pays for it
     p = plan("1b", hw, Policy(batch_tokens=2048, cpu_budget=4 << 30))
+    t = p.step_terms_s
     assert p.fits, p.reason
-    assert p.nvme_bytes_needed > 10e9 and p.bytes_per_step["nvme_read"] > p.nvme_bytes_needed
-    assert p.tiers["device"]["bytes"] + p.tiers["cpu"]["bytes"] <= 4 << 30
+    assert p.tiers["nvme"]["bytes"] > 10e9 and p.bytes_per_step["nvme_read"] > 10e9
+    assert p.tiers["cpu"]["bytes"] <= 4 << 30
+    assert p.predicted_step_s == pytest.approx(t["compute"] + t["adam"] + t["nvme"])
 
 
-def test_fp32_state_is_12_bytes_per_param():
+def test_the_tiny_run_the_engine_handles_fits():
+    """scripts/finetune_100b.py --preset tiny --cpu-budget 8M --device-budget 6M trains: the plan agrees."""
+    hw = Hardware(**{**CPU_BOX, "compute_tflops": 0.05, "adam_params_per_s": 4e8})
+    p = plan("tiny", hw, Policy(batch_tokens=2048, seq_len=256, device_budget=6 << 20, cpu_budget=8 << 20))
+    assert p.fits, p.reason
+    assert p.breakdown["chunk_size"] == 176128 and p.breakdown["num_chunks"] == 21   # as the engine lays it out
+    assert p.tiers["nvme"]["bytes"] > 0 and p.nvme_bytes_needed == 18 * 176128 * 21
+
+
+def test_cpu_only_refusals_name_ram_and_cpu_minimum():
+    hw = Hardware(**{**CPU_BOX, "cpu_mem": 200 << 20})
+    p = plan("small", hw, Policy(batch_tokens=4096, seq_len=256, device_budget=64 << 20, cpu_budget=100 << 20))
+    assert not p.fits and p.reason.startswith("RAM needs 401 MB (device budget 67.11 MB + CPU budget 105 MB")
+    assert "activations for 4096 tokens), 210 MB available; at most 512 tokens/step fit" in p.reason
+    p = plan("small", Hardware(**CPU_BOX), Policy(batch_tokens=2048, device_budget=32 << 20, cpu_budget=4 << 20))
+    assert not p.fits and "CPU budget 4.19 MB is below one chunk of every kind" in p.reason
+
+
+def test_fp32_state_is_16_bytes_per_param():
     p = plan("1b", box(), Policy(dtype="fp32"))
-    assert p.breakdown["state_bytes"] == 12 * param_count(PRESETS["1b"])
+    assert p.breakdown["state_bytes_per_param"] == 16                # 4 param (= master) + 4 grad + 4 + 4
+    assert p.tiers["cpu"]["master"] == 0 and p.tiers["nvme"].get("master", 0) == 0
 
 
-def test_defer_step_holds_gradients():
-    staging = plan("100b", box()).tiers["cpu"]["staging"]
-    p = plan("100b", box(), Policy(defer_step=True, cpu_budget=staging))
-    assert p.tiers["nvme"]["grads"] == 2 * N100
-    assert p.bytes_per_step["nvme_write"] == 16 * N100
+def test_defer_step_holds_gradients_and_adds_the_optimizer():
+    pol = dict(cpu_budget=20 << 30)
+    p = plan("100b", box(), Policy(defer_step=True, **pol))
+    k = p.breakdown["state_by_kind"]
+    assert p.tiers["nvme"]["grads"] == k["grads"]
+    assert p.bytes_per_step["nvme_write"] > plan("100b", box(), Policy(**pol)).bytes_per_step["nvme_write"]
+    fast = box(nvme_read_gbps=1000.0, nvme_write_gbps=1000.0)       # disk out of the way
+    p, eager = plan("100b", fast, Policy(defer_step=True, **pol)), plan("100b", fast, Policy(**pol))
+    t = p.step_terms_s
+    assert eager.predicted_step_s == max(eager.step_terms_s.values())   # Adam hidden under backward
+    assert p.predicted_step_s == pytest.approx(max(t["compute"], t["pcie"]) + t["adam"])   # Adam after it
 
 
 def test_json_schema():
@@ -178,7 +264,7 @@ def test_cli_100b_prints_a_complete_plan(capsys, tmp_path):
     assert main(CLI_100B + ["--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     for text in ("llama-100b", "100.69 B parameters", "bytes per tier and kind", "exp_avg_sq",
-                 "NVMe space needed: 930 GB", "NVMe read", "PCIe H2D", "predicted step time",
+                 "NVMe space needed: 2.14 TB", "NVMe read", "PCIe H2D", "predicted step time",
                  "<- bottleneck", "compute becomes the bottleneck from", "verdict: fits"):
         assert text in out, text
     data = json.loads(out_json.read_text())
@@ -195,7 +281,7 @@ def test_cli_refuses_with_the_numbers(capsys):
     argv = [a if a != "8T" else "500GB" for a in CLI_100B]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "refused: NVMe needs 930 GB, 500 GB free" in err
+    assert "refused: NVMe needs 2.14 TB, 500 GB free" in err
 
 
 @pytest.mark.parametrize("bad", [["--gpu-mem", "80X"], ["--batch-tokens", "-5"], ["--nvme-gbps", "0"],
