@@ -45,6 +45,16 @@ class Tracer:
                                         "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
                                         "args": args})
 
+    def complete(self, name: str, cat: str, start: float, end: float, track: str, **args) -> None:
+        """Record an interval measured elsewhere (``time.perf_counter`` stamps) on a named track,
+        e.g. an asynchronous NVMe read from its submission to its completion."""
+        with self._lock:
+            self.totals[cat] += end - start
+            if self.path is not None:
+                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self._pid, "tid": track,
+                                    "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
+                                    "args": args})
+
     def instant(self, name: str, cat: str, **args) -> None:
         if self.path is None:
             return

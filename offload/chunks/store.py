@@ -14,6 +14,7 @@ no lock-order puzzles. Prefetches are asynchronous (they return ``Move`` handles
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
@@ -71,6 +72,7 @@ class ChunkStore:
         self.policy = policy or LRUPolicy()
         self.lock = threading.RLock()
         self.released = threading.Condition(self.lock)   # notified whenever a pin goes
+        self.tracer = None      # an offload.tracer.Tracer: every move becomes a span on its own track
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -191,29 +193,39 @@ class ChunkStore:
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
         self._memory_tier(tier)
-        while True:
-            if not overwrite:
-                self.ensure(key, tier)
+        # While this thread brings the chunk up hop by hop (waiting outside the lock), no other
+        # thread's eviction may take it back down: that is how two threads thrash a small tier.
+        with self.lock:
+            self._protected[key] += 1
+        try:
+            while True:
+                if not overwrite:
+                    self.ensure(key, tier)
+                with self.lock:
+                    rec = self._rec(key)
+                    if overwrite and tier not in rec.valid:
+                        self._settle(rec)
+                        buf = self._allocate(tier, rec)
+                        if tier in rec.buffers:          # someone brought it here while we made room
+                            self.tiers[tier].free(buf)
+                        else:
+                            if rec.state is ChunkState.FREE:
+                                self._set_state(rec, ChunkState.HOLD)
+                            rec.buffers[tier] = buf
+                        self._modified(rec, tier)
+                    if tier not in rec.buffers:
+                        continue        # it left between the fetch and here: again
+                    rec.pins[tier] += 1
+                    rec.pin_threads[threading.get_ident()] += 1
+                    if rec.state is ChunkState.HOLD:
+                        self._set_state(rec, ChunkState.COMPUTE)
+                    self.policy.on_access(key)
+                    return self._typed(rec.buffers[tier], rec)
+        finally:
             with self.lock:
-                rec = self._rec(key)
-                if overwrite and tier not in rec.valid:
-                    self._settle(rec)
-                    buf = self._allocate(tier, rec)
-                    if tier in rec.buffers:          # someone brought it here while we made room
-                        self.tiers[tier].free(buf)
-                    else:
-                        if rec.state is ChunkState.FREE:
-                            self._set_state(rec, ChunkState.HOLD)
-                        rec.buffers[tier] = buf
-                    self._modified(rec, tier)
-                if tier not in rec.buffers:
-                    continue        # another thread evicted it between the fetch and here: again
-                rec.pins[tier] += 1
-                rec.pin_threads[threading.get_ident()] += 1
-                if rec.state is ChunkState.HOLD:
-                    self._set_state(rec, ChunkState.COMPUTE)
-                self.policy.on_access(key)
-                return self._typed(rec.buffers[tier], rec)
+                self._protected[key] -= 1
+                if not self._protected[key]:
+                    del self._protected[key]
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -408,9 +420,15 @@ class ChunkStore:
             else:
                 move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
 
+        started = time.perf_counter()
+
         def done() -> None:
             rec.incoming.pop(dst, None)
             self.moved[(src, dst)] += rec.nbytes
+            if self.tracer is not None:
+                cat = "nvme" if "nvme" in (src, dst) else "copy"
+                self.tracer.complete(f"{rec.key[0]}{rec.key[1]} {src}->{dst}", cat, started,
+                                     time.perf_counter(), f"{src}->{dst}", bytes=rec.nbytes)
             if rec.version != version:       # written meanwhile: this copy is stale
                 if buf is not None:
                     self.tiers[dst].free(buf)

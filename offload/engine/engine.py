@@ -13,6 +13,7 @@ with the same per-chunk pipeline. Both orders give the same numbers.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class OffloadEngine:
         if config.nvme_paths is not None:
             tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
         self.store = ChunkStore(tiers, self.policy)
+        self.store.tracer = self.tracer
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
                                     on_unpinned=self._on_unpinned, tracer=self.tracer)
@@ -258,14 +260,17 @@ class OffloadEngine:
             if outer in self.discovering:
                 self.called_within[outer].add(module)
         self.active.append(module)
-        self.fwd_pinned.append((module, chunks))
+        self.fwd_pinned.append((module, chunks, time.perf_counter()))
 
     def _post_forward(self, module: nn.Module, args, output):
         if self.in_backward:
             return output
         for i in range(len(self.fwd_pinned) - 1, -1, -1):
             if self.fwd_pinned[i][0] is module:
-                _, chunks = self.fwd_pinned.pop(i)
+                _, chunks, started = self.fwd_pinned.pop(i)
+                if self.tracer.enabled:
+                    self.tracer.complete(f"forward {type(module).__name__}", "compute", started,
+                                         time.perf_counter(), "compute")
                 break
         else:
             chunks = []
@@ -351,6 +356,7 @@ class OffloadEngine:
             self.params.pin(c)
         self.bwd_pins[module] += 1
         self.bwd_remaining.setdefault(module, self._grad_count(module))
+        self.bwd_started.setdefault(module, time.perf_counter())
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -408,6 +414,10 @@ class OffloadEngine:
         return self.optimizer is not None and self.optimizer.max_grad_norm is not None
 
     def _release_backward_pins(self, module: nn.Module) -> None:
+        started = self.bwd_started.pop(module, None)
+        if started is not None and self.tracer.enabled:
+            self.tracer.complete(f"backward {type(module).__name__}", "compute", started,
+                                 time.perf_counter(), "compute")
         for _ in range(self.bwd_pins.pop(module, 0)):
             for c in self.module_chunks[module]:
                 self.params.unpin(c)
@@ -431,6 +441,7 @@ class OffloadEngine:
         self.final_micro_batch = False
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
+        self.bwd_started: dict[nn.Module, float] = {}
         self.bwd_grads: dict[int, int] = defaultdict(int)
         self.grad_views: dict[int, torch.Tensor] = {}
 
