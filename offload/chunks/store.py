@@ -151,22 +151,26 @@ class ChunkStore:
                 return rec.incoming[dst][1]
             return self._start_move(rec, src, dst)
 
-    def prefetch(self, key: ChunkKey, tier: str) -> Move | None:
+    def prefetch(self, key: ChunkKey, tier: str, *, soon: bool = False) -> Move | None:
         """Like ``fetch``, but only into free room or by evicting chunks needed later than ``key``.
 
+        ``soon=True`` says the chunk is needed imminently although the policy's trace does not
+        show it (the optimizer's next chunk): it then outranks everything not needed right now.
         Never waits and never raises for lack of room: a prefetch that cannot go now is skipped.
         """
         with self.lock:
             rec = self.records.get(key)
             if rec is None or rec.state is ChunkState.FREE or tier in rec.valid:
                 return None
+            if soon:
+                self.policy.hint_soon(key)
             if tier in rec.incoming:
                 return rec.incoming[tier][1]
             src, dst = self._next_hop(rec, tier)
             if dst in rec.incoming:
                 return rec.incoming[dst][1]
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
-                limit = self.policy.rank(key) if self.policy.name == "next_use" else float("inf")
+                limit = self.policy.rank(key) if self.policy.name == "next_use" or soon else float("inf")
                 if not self._make_room(dst, rec.nbytes, key, later_than=limit):
                     return None
             return self._start_move(rec, src, dst)

@@ -506,6 +506,7 @@ class OffloadEngine:
             self.step_count += 1
         if self.scaler is not None:
             self.scaler.update(overflow)
+        self.policy.hints.clear()
         self._finish_step_stats(applied)
         self.window_applied = False
         self.micro_batches = 0

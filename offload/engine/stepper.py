@@ -115,7 +115,7 @@ class ChunkAdam:
         kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
             if self._tier((kind, c)) == "cpu":
-                self.store.prefetch((kind, c), "cpu")
+                self.store.prefetch((kind, c), "cpu", soon=True)
 
     def _tier(self, key) -> str:
         """Where the update reads and writes ``key``: the CPU tier, or — when the compute device is
@@ -169,12 +169,13 @@ class ChunkAdam:
                     store.start_writeback(key)
 
     def _copy_skipped(self, c, master, out, runs) -> None:
-        covered = torch.zeros(out.numel(), dtype=torch.bool)
-        for start, end, _, _ in runs:
-            covered[start:end] = True
+        # Runs and parameters are both in offset order: walk them together.
+        i = 0
         for p in self.engine.params.chunk_members[c]:
             s = self.engine.params.ref(p).slot
-            if not covered[s.offset]:
+            while i < len(runs) and runs[i][1] <= s.offset:
+                i += 1
+            if i == len(runs) or runs[i][0] > s.offset:
                 out[s.offset:s.end].copy_(master[s.offset:s.end])
 
     def commit_steps(self, with_grad: set[int]) -> None:

@@ -20,13 +20,29 @@ class EvictionPolicy:
     def __init__(self) -> None:
         self.clock = 0
         self.last_use: dict[Hashable, int] = {}
+        self.hints: dict[Hashable, float] = {}
 
     def on_access(self, key: Hashable) -> None:
         self.last_use[key] = self.clock
         self.clock += 1
+        self.hints.pop(key, None)
+
+    def hint_soon(self, key: Hashable) -> float:
+        """Mark ``key`` as needed imminently (fetched ahead of a use the trace does not show, such
+        as the optimizer's next chunk) until it is accessed; returns the rank it now has."""
+        self.hints[key] = self.soonest()
+        return self.hints[key]
+
+    def soonest(self) -> float:
+        """The rank of a chunk needed right now."""
+        return 0.0
 
     def rank(self, key: Hashable) -> float:
         """Higher rank leaves first."""
+        hinted = self.hints.get(key)
+        return hinted if hinted is not None else self._rank(key)
+
+    def _rank(self, key: Hashable) -> float:
         raise NotImplementedError
 
     def choose(self, candidates: Iterable[Hashable], need: int, size_of: Callable[[Hashable], int]) -> list[Hashable]:
@@ -46,7 +62,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def rank(self, key: Hashable) -> float:
+    def _rank(self, key: Hashable) -> float:
         return float(self.clock - self.last_use.get(key, -1))
 
 
@@ -78,7 +94,10 @@ class NextUsePolicy(EvictionPolicy):
         if self.auto_advance:
             self.position += 1
 
-    def rank(self, key: Hashable) -> float:
+    def soonest(self) -> float:
+        return float(self.position)
+
+    def _rank(self, key: Hashable) -> float:
         if self.trace is None or len(self.trace) == 0:
             return float(self.clock - self.last_use.get(key, -1))
         return self.trace.next_use(key, self.position % len(self.trace))
