@@ -138,6 +138,16 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM), so the planner's probes do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def current_rss() -> int:
     import psutil
 
@@ -205,6 +215,7 @@ def main(argv=None) -> int:
     if vocab > cfg.vocab_size:
         raise offload.ConfigError("--tokenizer", args.tokenizer, f"has {vocab} tokens; the preset's vocabulary is {cfg.vocab_size}")
     torch.manual_seed(args.seed)
+    reset_peak_rss()
     base_rss = current_rss()
     built = time.perf_counter()
     with offload.lazy_init(config):
