@@ -15,7 +15,7 @@ from .config import OffloadConfig
 from .engine import OffloadEngine
 from .errors import ConfigError, OffloadError
 from .lazy import lazy_record
-from .optim.cpu_adam import CPUAdamW, _check_group, _check_param, _scalar_dtype
+from .optim.cpu_adam import CPUAdamW, _scalar_dtype
 
 
 def engine_of(p: torch.Tensor) -> OffloadEngine | None:
@@ -116,29 +116,12 @@ class AdamW(CPUAdamW):
         for e in self._engines:
             e.attach_optimizer(self)
 
-    def _wrapped(self, p) -> bool:
+    def _updated_elsewhere(self, p) -> bool:
         return engine_of(p) is not None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        index = 0
-        for group in self.param_groups:
-            _check_group(group)
-            for p in group["params"]:
-                if not self._wrapped(p):
-                    _check_param(p, index)
-                index += 1
+    def _before_step(self) -> None:
         for e in self._engines:
             e.step()
-        for group in self.param_groups:
-            plain = [p for p in group["params"] if not self._wrapped(p)]
-            if plain:
-                self._step_group({**group, "params": plain})
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for e in self._engines:

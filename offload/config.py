@@ -171,16 +171,7 @@ class OffloadConfig:
     @classmethod
     def from_json(cls, path: Union[str, Path]) -> "OffloadConfig":
         """Read a JSON file holding the fields of ``from_dict``."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError("config file", str(path), f"cannot be read: {exc.strerror}") from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("config file", str(path),
-                              f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(path, "config file"))
 
     @classmethod
     def from_deepspeed(cls, ds: Union[dict, str, Path], **overrides: Any) -> "OffloadConfig":
@@ -188,6 +179,22 @@ class OffloadConfig:
         from .deepspeed_config import from_deepspeed
 
         return from_deepspeed(ds, **overrides)
+
+
+def read_json_object(path: Union[str, Path], what: str) -> dict:
+    """The JSON object in file ``path``; a ConfigError names ``what``, the file and the problem."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(what, str(path), f"cannot be read: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(what, str(path),
+                          f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(what, str(path), "must hold a JSON object")
+    return data
 
 
 def _paths(value: Any) -> tuple[str, ...] | None:

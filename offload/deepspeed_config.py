@@ -46,13 +46,12 @@ warning line). Budgets stay ``"auto"``; pass ``cpu_budget=`` / ``device_budget=`
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 from typing import Any, Union
 
-from .config import AioConfig, OffloadConfig
+from .config import AioConfig, OffloadConfig, read_json_object
 from .errors import ConfigError
 
 logger = logging.getLogger("offload.config")
@@ -161,18 +160,7 @@ def load_deepspeed_config(ds: Union[dict, str, Path]) -> dict:
     if isinstance(ds, dict):
         return ds
     if isinstance(ds, (str, Path)):
-        try:
-            text = Path(ds).read_text()
-        except OSError as exc:
-            raise ConfigError("deepspeed config", str(ds), f"cannot be read: {exc.strerror}") from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("deepspeed config", str(ds),
-                              f"is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
-        if not isinstance(data, dict):
-            raise ConfigError("deepspeed config", str(ds), "must hold a JSON object")
-        return data
+        return read_json_object(ds, "deepspeed config")
     raise ConfigError("deepspeed config", type(ds).__name__, "expected a dict or the path of a JSON file")
 
 

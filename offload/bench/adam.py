@@ -16,7 +16,6 @@ into a preallocated bf16/fp16 tensor after the step. ``gbps`` is the useful traf
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch
 from .. import native
 from ..errors import ConfigError, OffloadError
 from ..optim.kernel import adam_step
+from .common import write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _COUNT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGbB]?)\s*$")
@@ -238,8 +238,5 @@ def run(args) -> int:
     if "speedup_vs_torch_fused" in report:
         line += f", {report['speedup_vs_torch_fused']:.2f}x torch fused"
     print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+    write_json(args.json, report)
     return 0

@@ -12,17 +12,15 @@ also on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import statistics
 import sys
 import time
-from typing import Callable
 
 from ..config import AioConfig, parse_bytes
 from ..errors import ConfigError, UnsupportedError
 from . import fio
+from .common import scratch_dir, write_json
 
 SWEEP_BLOCK_SIZES = (256 << 10, 1 << 20, 4 << 20)
 SWEEP_QUEUE_DEPTHS = (1, 4, 16, 32, 64)
@@ -232,33 +230,14 @@ def _plot(results: list[dict], filename: str) -> None:
     plt.close(fig)
 
 
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt
-
-
 def run(args) -> int:
     _check_plot_possible(args)
     size = parse_bytes(args.size, "--size")
     block_size = parse_bytes(args.block_size, "--block-size")
-    path = os.path.abspath(args.path)
-    made_dir = False
-    if not os.path.exists(path):
-        if not os.path.isdir(os.path.dirname(path)):
-            raise ConfigError("--path", args.path, "neither it nor its parent directory exists")
-        os.mkdir(path, 0o700)
-        made_dir = True
-    old = signal.signal(signal.SIGTERM, _sigterm)   # so `kill` also removes the file
-    try:
+    with scratch_dir(args.path) as path:
         if args.sweep:
             return _run_sweep(args, path, size)
         return _run_one(args, path, size, block_size)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        if made_dir:
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
 
 
 def _run_one(args, path: str, size: int, block_size: int) -> int:
@@ -292,10 +271,7 @@ def _run_one(args, path: str, size: int, block_size: int) -> int:
             need = fio.hugepages_needed(block_size, args.queue_depth, args.threads)
             print(f"note: fio used 4 KiB-page buffers (not enough free huge pages); its figure may be "
                   f"below the device's. For the honest limit: sysctl vm.nr_hugepages={need} (as root)")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-            fh.write("\n")
+    write_json(args.json, result)
     return 0
 
 
@@ -319,10 +295,7 @@ def _run_sweep(args, path: str, size: int) -> int:
     print(f"best ({'harmonic mean of read and write' if args.mode == 'both' else args.mode}): "
           f"write {_num(best['write_gbps'])} GB/s, read {_num(best['read_gbps'])} GB/s")
     print(_snippet(best))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(best, fh, indent=2)
-            fh.write("\n")
+    write_json(args.json, best)
     if args.plot:
         _plot(results, args.plot)
         print(f"plot: {args.plot}")

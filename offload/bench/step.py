@@ -31,11 +31,8 @@ on exit, also on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -43,6 +40,7 @@ import time
 
 from ..config import AioConfig, OffloadConfig, parse_bytes
 from ..errors import ConfigError, OffloadError
+from .common import scratch_dir, write_json
 
 BYTES_PER_PARAM = 14          # bf16 param + fp32 master + exp_avg + exp_avg_sq (DESIGN.md)
 MIN_STATE_OVER_CPU = 4        # the "total state >= 4x the CPU budget"
@@ -393,10 +391,6 @@ def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warm
 
 # ---- the command ------------------------------------------------------------------------------
 
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt
-
-
 def _fmt(x, unit="s") -> str:
     if x is None:
         return "-"
@@ -404,28 +398,13 @@ def _fmt(x, unit="s") -> str:
 
 
 def run(args) -> int:
-    path = os.path.abspath(args.path)
-    made_dir = False
-    if not os.path.exists(path):
-        if not os.path.isdir(os.path.dirname(path)):
-            raise ConfigError("--path", args.path, "neither it nor its parent directory exists")
-        os.mkdir(path, 0o700)
-        made_dir = True
-    old = signal.signal(signal.SIGTERM, _sigterm)   # so `kill` also removes the swap files
-    try:
+    with scratch_dir(args.path, remove_tree=True) as path:
         report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
                          batch_tokens=args.batch_tokens, cpu_budget=args.cpu_budget,
                          device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
                          in_memory=not args.no_in_memory, quiet=False)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        if made_dir:
-            shutil.rmtree(path, ignore_errors=True)
     _print(report)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
+    write_json(args.json, report)
     return 0
 
 

@@ -109,11 +109,22 @@ class _CPUAdamBase(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
             for p in group["params"]:
-                _check_param(p, index)
+                if not self._updated_elsewhere(p):
+                    _check_param(p, index)
                 index += 1
+        self._before_step()
         for group in self.param_groups:
-            self._step_group(group)
+            mine = [p for p in group["params"] if not self._updated_elsewhere(p)]
+            if mine:
+                self._step_group(group if len(mine) == len(group["params"]) else {**group, "params": mine})
         return loss
+
+    def _updated_elsewhere(self, p: torch.Tensor) -> bool:
+        """Subclasses: True for parameters another engine updates (offload.AdamW's chunked ones)."""
+        return False
+
+    def _before_step(self) -> None:
+        """Subclasses: work that must happen once per step, after the checks, before the updates."""
 
     def _step_group(self, group: dict) -> None:
         beta1, beta2 = group["betas"]
