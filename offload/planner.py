@@ -53,7 +53,8 @@ from typing import Union
 from .chunks.layout import CHUNK_QUANTUM, DEFAULT_MAX_CHUNK, PARAM_ALIGN, _pack, search_chunk_size
 from .errors import ConfigError
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count, param_count
-from .tiers.budgets import AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA
+from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
+                           min_device_bytes)
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -63,9 +64,6 @@ STATE_KINDS = ("params", "master", "exp_avg", "exp_avg_sq", "grads")
 # offload/engine/engine.py: "auto" chunk sizes fit this many fp32 chunks in each budget
 CHUNKS_PER_DEVICE_BUDGET = 8
 CHUNKS_PER_CPU_BUDGET = 12
-MIN_DEVICE_CHUNKS = 6
-"""Chunks the device tier must hold at once (tied embedding + a layer's parameter and gradient chunks),
-counted as fp32 gradient chunks (4 B/element)."""
 CPU_WORKING_SETS = 2
 """Chunk sets (one chunk of every kind) the CPU tier keeps free for Adam: the chunk being updated
 and the next one being prefetched."""
@@ -301,11 +299,11 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
     acts = {k: v * po.batch_tokens for k, v in act_per_tok.items()}
     act_total = sum(acts.values())
-    device_min = MIN_DEVICE_CHUNKS * chunk * 4
+    device_min = min_device_bytes(chunk, e)
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
-    cpu_min = set_bytes
+    cpu_min = min_cpu_bytes(chunk, e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     lower["grads"] = total["grads"] if po.defer_step else 0   # else consumed by Adam as they arrive
@@ -388,9 +386,9 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     problems = []
     if device_budget < device_min:
         problems.append(
-            f"device budget {format_size(device_budget)} is below {MIN_DEVICE_CHUNKS} chunks of "
-            f"{chunk:,} elements as fp32 gradients ({format_size(device_min)}): the device holds the tied "
-            f"embedding's chunk and a layer's parameter and gradient chunks at once")
+            f"device budget {format_size(device_budget)} is below 3 parameter and 3 fp32 gradient chunks "
+            f"of {chunk:,} elements ({format_size(device_min)}): the device holds the tied embedding's "
+            f"chunks and a module's (which may straddle two) at once")
     if cpu_budget < cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "

@@ -27,7 +27,7 @@ from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
 from ..scheduler import LRUPolicy, NextUsePolicy, TracePrefetcher
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
-from ..tiers.budgets import compute_device
+from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes
 from ..tracer import Tracer
 from ..lazy import lazy_record
 from .hooks import map_tensors, wrap_for_backward
@@ -118,23 +118,21 @@ class OffloadEngine:
     def _check_budgets(self, device_budget: int, cpu_budget: int) -> None:
         """Refuse up front budgets that cannot hold the minimum working set of one step.
 
-        Backward pins a module's parameter chunks (a module may straddle two) while the fp32
-        gradient chunks of those parameters fill; one chunk's update pins its gradient, master,
-        exp_avg, exp_avg_sq and parameters on the CPU at once.
+        See ``min_device_bytes`` and ``min_cpu_bytes``: the planner refuses by the same rules.
         """
         from ..units import format_bytes
 
         n = self.layout.chunk_size
         e = self.dtype.itemsize
-        need_device = 2 * n * (e + 4)
-        need_cpu = n * (4 + 4 + 4 + (4 if e < 4 else 0) + e)
+        need_device = min_device_bytes(n, e)
+        need_cpu = min_cpu_bytes(n, e)
         largest = max(s.numel for s in self.layout.slots)
         why = (f"chunks are {n} elements (the largest parameter has {largest}); "
                "raise the budget or lower chunk_size")
         if device_budget < need_device:
             raise ConfigError("device_budget", device_budget,
                               f"holds less than the {format_bytes(need_device)} one backward step needs "
-                              f"(2 parameter and 2 fp32 gradient chunks): {why}")
+                              f"(3 parameter and 3 fp32 gradient chunks): {why}")
         if cpu_budget < need_cpu:
             raise ConfigError("cpu_budget", cpu_budget,
                               f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "

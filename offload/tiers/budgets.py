@@ -37,3 +37,19 @@ def resolve_budgets(config: OffloadConfig, device: torch.device) -> tuple[int, i
         taken = device_budget if device.type == "cpu" else 0
         cpu_budget = max(int((available - taken) * AUTO_CPU_SHARE), 1 << 20)
     return device_budget, cpu_budget
+
+
+def min_device_bytes(chunk_elements: int, elem_bytes: int) -> int:
+    """The smallest device budget one training step fits in.
+
+    Backward holds at once: the tied embedding's parameter chunk and its fp32 gradient chunk
+    (pinned until the very end), and the current module's parameter and gradient chunks, which
+    may straddle two chunks: three of each.
+    """
+    return 3 * chunk_elements * (elem_bytes + 4)
+
+
+def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:
+    """The smallest CPU budget one chunk's update fits in: its fp32 gradient, master (when the
+    compute dtype is not fp32), exp_avg and exp_avg_sq, and its parameters, pinned together."""
+    return chunk_elements * (4 + (4 if elem_bytes < 4 else 0) + 4 + 4 + elem_bytes)

@@ -56,7 +56,7 @@ class Branchy(nn.Module):
 def test_changed_control_flow_retraces_and_stays_correct(disk_tmp):
     torch.manual_seed(0)
     ref = Branchy()
-    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, chunk_size=4096, device_budget="64KiB",
+    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, chunk_size=4096, device_budget="96KiB",
                                                  cpu_budget="96KiB"))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = offload.AdamW(model.parameters(), lr=1e-2)

@@ -20,7 +20,7 @@ def test_lazy_equals_eager(disk_tmp, tie):
     cfg = get_preset("tiny").replace(tie_embeddings=tie)
     torch.manual_seed(123)
     eager = LlamaForCausalLM(cfg)
-    config = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="4MiB", cpu_budget="6MiB",
+    config = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="6MiB", cpu_budget="6MiB",
                                    nvme_paths=[str(disk_tmp)])
     torch.manual_seed(123)
     with offload.lazy_init(config):

@@ -148,12 +148,14 @@ def test_activations_limit_the_batch_beside_the_device_budget():
     assert plan("100b", box(), Policy(batch_tokens=p.max_batch_tokens)).fits
 
 
-def test_refuses_a_device_budget_below_six_chunks():
+def test_refuses_a_device_budget_below_the_engines_minimum():
+    from offload.tiers.budgets import min_device_bytes
+
     p = plan("100b", box(), Policy(device_budget=4 << 30))
     chunk = 32000 * 10240
-    assert not p.fits and p.breakdown["device_min_bytes"] == 6 * 4 * chunk
-    assert "device budget 4.29 GB is below 6 chunks of 327,680,000 elements" in p.reason
-    assert "7.86 GB" in p.reason
+    assert not p.fits and p.breakdown["device_min_bytes"] == min_device_bytes(chunk, 2) == 3 * 6 * chunk
+    assert "device budget 4.29 GB is below 3 parameter and 3 fp32 gradient chunks of 327,680,000 elements" in p.reason
+    assert "5.90 GB" in p.reason
 
 
 def test_refuses_a_small_disk_with_the_numbers():
