@@ -73,6 +73,9 @@ class ChunkStore:
         self.lock = threading.RLock()
         self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.tracer = None      # an offload.tracer.Tracer: every move becomes a span on its own track
+        # Called as on_free(key, tier) just before a copy's buffer goes back to its tier (under the
+        # lock): the engine keeps parameters viewing idle chunks and detaches them here.
+        self.on_free = None
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -127,9 +130,8 @@ class ChunkStore:
             rec = self._rec(key)
             self._settle(rec)
             self._set_state(rec, ChunkState.FREE)
-            for tier, buf in list(rec.buffers.items()):
-                self.tiers[tier].free(buf)
-            rec.buffers.clear()
+            for tier in list(rec.buffers):
+                self._drop_copy(rec, tier)
             rec.nvme_valid = False
 
     # ---- access -----------------------------------------------------------
@@ -465,8 +467,7 @@ class ChunkStore:
             if other != tier:
                 if rec.pins[other]:
                     raise StateError(f"chunk {rec.key} was written on {tier!r} while pinned on {other!r}")
-                self.tiers[other].free(buf)
-                del rec.buffers[other]
+                self._drop_copy(rec, other)
         rec.nvme_valid = False
 
     def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
@@ -533,8 +534,13 @@ class ChunkStore:
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
         if tier not in rec.buffers or rec.pins[tier] or rec.valid == {tier}:
             return
-        buf = rec.buffers.pop(tier)
-        self.tiers[tier].free(buf)
+        self._drop_copy(rec, tier)
+
+    def _drop_copy(self, rec: ChunkRecord, tier: str) -> None:
+        """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
+        if self.on_free is not None:
+            self.on_free(rec.key, tier)
+        self.tiers[tier].free(rec.buffers.pop(tier))
 
     def _holders(self, tier: str) -> str:
         pinned = [r for r in self.records.values() if r.pins.get(tier)]

@@ -85,6 +85,7 @@ class OffloadEngine:
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
                                     on_unpinned=self._on_unpinned, tracer=self.tracer)
+        self.store.on_free = self.params.on_store_free
         self.params.register_chunks()
         n, size = self.layout.num_chunks, self.layout.chunk_size
         for kind in ("grad", "exp_avg", "exp_avg_sq"):

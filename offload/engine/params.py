@@ -43,7 +43,8 @@ class ChunkedParams:
         for p in self.params:
             self.chunk_members[self.refs[id(p)].slot.chunk].append(p)
         self.pins = [0] * layout.num_chunks
-        self.pinned_buffers: dict[int, int] = {}   # device buffer address -> chunk, while pinned
+        self.pinned_buffers: dict[int, int] = {}   # device buffer address -> chunk, while attached
+        self.attached: dict[int, int] = {}         # chunk -> device buffer address its parameters view
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
         self.on_pin = on_pin            # callback(chunk, hit: bool) for prefetch statistics
         self.tracer = tracer
@@ -140,6 +141,11 @@ class ChunkedParams:
 
     # ---- pins on the compute device ---------------------------------------
     def pin(self, c: int) -> None:
+        """Pin chunk ``c`` on the device and make its parameters view it.
+
+        The views stay after the last unpin (``attached``): the next module using the chunk only
+        re-pins it. They go (``detach``) when the store frees that device buffer.
+        """
         if self.pins[c] == 0:
             hit = "device" in self.store.records[("param", c)].valid
             if self.tracer is not None:
@@ -147,10 +153,12 @@ class ChunkedParams:
                     view = self.store.access(("param", c), "device")
             else:
                 view = self.store.access(("param", c), "device")
-            for p in self.chunk_members[c]:
-                s = self.ref(p).slot
-                p.data = view[s.offset:s.end].view(s.shape)
-            self.pinned_buffers[view.untyped_storage().data_ptr()] = c
+            if c not in self.attached:
+                for p in self.chunk_members[c]:
+                    s = self.ref(p).slot
+                    p.data = view[s.offset:s.end].view(s.shape)
+                self.pinned_buffers[view.untyped_storage().data_ptr()] = c
+                self.attached[c] = view.untyped_storage().data_ptr()
             if self.on_pin is not None:
                 self.on_pin(c, hit)
         self.pins[c] += 1
@@ -160,14 +168,22 @@ class ChunkedParams:
             return
         self.pins[c] -= 1
         if self.pins[c] == 0:
-            for p in self.chunk_members[c]:
-                p.data = self._placeholder
-            view = self.store.view(("param", c), "device")
-            if view is not None:
-                self.pinned_buffers.pop(view.untyped_storage().data_ptr(), None)
             self.store.release(("param", c), "device")
             if self.on_unpinned is not None:
                 self.on_unpinned(c)
+
+    def detach(self, c: int) -> None:
+        """Point chunk ``c``'s parameters at the placeholder (its device buffer is going away)."""
+        ptr = self.attached.pop(c, None)
+        if ptr is None:
+            return
+        for p in self.chunk_members[c]:
+            p.data = self._placeholder
+        self.pinned_buffers.pop(ptr, None)
+
+    def on_store_free(self, key, tier: str) -> None:
+        if key[0] == "param" and tier == "device":
+            self.detach(key[1])
 
     def unpin_all(self) -> None:
         for c in range(len(self.pins)):
