@@ -78,6 +78,8 @@ class ChunkStore:
         self.on_free = None
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
+        # tier -> keys holding a copy there (a dict for its insertion order: ties evict deterministically)
+        self.resident: dict[str, dict] = {name: {} for name in self.order}
         # Chunks that an operation in progress is moving: making room for one move (which may
         # cascade into write-backs further down) must not evict the source of another.
         self._protected: Counter = Counter()
@@ -120,7 +122,7 @@ class ChunkStore:
                 view.zero_()
             else:
                 fill(view)
-            rec.buffers[tier] = buf
+            self._add_copy(rec, tier, buf)
             rec.version += 1
             self._set_state(rec, ChunkState.HOLD)
 
@@ -217,7 +219,7 @@ class ChunkStore:
                         else:
                             if rec.state is ChunkState.FREE:
                                 self._set_state(rec, ChunkState.HOLD)
-                            rec.buffers[tier] = buf
+                            self._add_copy(rec, tier, buf)
                         self._modified(rec, tier)
                     if tier not in rec.buffers:
                         continue        # it left between the fetch and here: again
@@ -442,7 +444,7 @@ class ChunkStore:
             if dst == "nvme":
                 rec.nvme_valid = True
             else:
-                rec.buffers[dst] = buf
+                self._add_copy(rec, dst, buf)
 
         def failed() -> None:
             rec.incoming.pop(dst, None)
@@ -482,7 +484,7 @@ class ChunkStore:
         policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
         t = self.tiers[tier]
         while not t.can_allocate(nbytes):
-            candidates = [r.key for r in self.records.values() if self._evictable(r, tier, exclude)]
+            candidates = [k for k in self.resident[tier] if self._evictable(self.records[k], tier, exclude)]
             if later_than is not None:
                 candidates = [k for k in candidates if self.policy.rank(k) > later_than]
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
@@ -541,6 +543,11 @@ class ChunkStore:
         if self.on_free is not None:
             self.on_free(rec.key, tier)
         self.tiers[tier].free(rec.buffers.pop(tier))
+        self.resident[tier].pop(rec.key, None)
+
+    def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor) -> None:
+        rec.buffers[tier] = buf
+        self.resident[tier][rec.key] = None
 
     def _holders(self, tier: str) -> str:
         pinned = [r for r in self.records.values() if r.pins.get(tier)]
