@@ -7,7 +7,8 @@ PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 NVME_DIR ?= ./offload-nvme
 # The default job: the tiny preset with budgets far below its state, so every tier is used.
-FINETUNE_ARGS ?= --preset tiny --steps 50 --device-budget 6M --cpu-budget 8M
+FINETUNE_ARGS ?= --preset tiny --steps 50 --device-budget 6M --cpu-budget 8M \
+                 --checkpoint-dir ./checkpoints --checkpoint-every 25
 PYTEST_ARGS ?=
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) offload/_build_native.py setup.py pyproject.toml
 
