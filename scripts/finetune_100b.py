@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
