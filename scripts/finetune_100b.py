@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
-            ids = batch_at(tokens, step, batch, seq)
+            ids = batch_at(tokens, step, batch, seq).to(model.offload_engine.device)
             loss = model(ids, labels=ids).loss
             loss.backward()
             optimizer.step()
