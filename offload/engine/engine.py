@@ -106,6 +106,7 @@ class OffloadEngine:
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
         self.optimizer = None
         self._grad_expected = [sum(p.requires_grad for p in m) for m in self.params.chunk_members]
+        self._grad_gaps = [self._gaps(c) for c in range(self.layout.num_chunks)]
         self._reset_window()
         self._bwd_reset()
         self._install_hooks()
@@ -374,9 +375,14 @@ class OffloadEngine:
         if c not in self.grad_views:
             key = ("grad", c)
             if self.store.records[key].state.name == "FREE":
-                self.store.initialize(key, "device")
+                # Only the gaps need zeros: every parameter's slice is written by its first gradient.
+                self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))
             self.grad_views[c] = self.store.access(key, "device")
-        self.grad_views[c][ref.slot.offset:ref.slot.end].add_(g.reshape(-1))
+        target = self.grad_views[c][ref.slot.offset:ref.slot.end]
+        if ref.index in self.with_grad:
+            target.add_(g.reshape(-1))       # accumulating micro-batches
+        else:
+            target.copy_(g.reshape(-1))
         self.with_grad.add(ref.index)
         self.grad_chunks.add(c)
         self.bwd_grads[c] += 1
@@ -388,8 +394,30 @@ class OffloadEngine:
                 if self.bwd_remaining[module] <= 0:
                     self._release_backward_pins(module)
 
+    def _gaps(self, c: int) -> list[tuple[int, int]]:
+        """Element ranges of grad chunk ``c`` that no trainable parameter's gradient writes."""
+        gaps, at = [], 0
+        for p in self.params.chunk_members[c]:
+            s = self.params.ref(p).slot
+            if not p.requires_grad:
+                continue
+            if s.offset > at:
+                gaps.append((at, s.offset))
+            at = s.end
+        if at < self.layout.chunk_size:
+            gaps.append((at, self.layout.chunk_size))
+        return gaps
+
+    def _zero_gaps(self, view: torch.Tensor, c: int) -> None:
+        for start, end in self._grad_gaps[c]:
+            view[start:end].zero_()
+
     def _finish_grad_chunk(self, c: int) -> None:
         view = self.grad_views.pop(c)
+        for p in self.params.chunk_members[c]:      # trainable but no gradient yet this window
+            ref = self.params.ref(p)
+            if p.requires_grad and ref.index not in self.with_grad:
+                view[ref.slot.offset:ref.slot.end].zero_()
         if self.scaler is not None or self.optimizer_clips():
             self.sumsq[c] = view.float().pow(2).sum()
         self.store.release(("grad", c), "device", dirty=True)
