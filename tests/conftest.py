@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI must be reproducible: the same examples every run (a new failure shows up in development,
+# where hypothesis explores with fresh seeds).
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
 
