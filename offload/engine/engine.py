@@ -112,7 +112,6 @@ class OffloadEngine:
         self._install_hooks()
         self.step_count = 0
         self._saved_hooks = None
-        self.extra_bwd_pins: list[int] = []
         self.last_stats: dict = {}
         self._closed = False
 
@@ -313,9 +312,9 @@ class OffloadEngine:
     def _unpack(self, packed):
         if not isinstance(packed, SavedChunkView):
             return packed
-        if self.params.pins[packed.chunk] == 0:     # used outside the hooks' view: keep it for the backward
+        if self.params.pins[packed.chunk] == 0:
+            # Used outside the hooks' view: pin it until the backward ends (unpin_all there).
             self.params.pin(packed.chunk)
-            self.extra_bwd_pins.append(packed.chunk)
         view = self.store.view(("param", packed.chunk), "device")
         return torch.as_strided(view, packed.size, packed.stride, packed.offset)
 
@@ -360,9 +359,9 @@ class OffloadEngine:
 
     def _begin_backward(self) -> None:
         self.in_backward = True
-        self.final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
+        final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
         self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
-                      and self.optimizer.max_grad_norm is None and self.final_micro_batch)
+                      and self.optimizer.max_grad_norm is None and final_micro_batch)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -455,7 +454,6 @@ class OffloadEngine:
             self._finish_grad_chunk(c)
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
-        self.extra_bwd_pins.clear()
         self.params.unpin_all()
         for c in sorted(self.ready):
             self._submit(c)
@@ -465,7 +463,6 @@ class OffloadEngine:
     def _bwd_reset(self) -> None:
         self.in_backward = False
         self.eager = False
-        self.final_micro_batch = False
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
         self.bwd_started: dict[nn.Module, float] = {}
@@ -538,7 +535,6 @@ class OffloadEngine:
         self.window_applied = False
         self.micro_batches = 0
         self.updated_chunks = set()
-        self.sumsq_after_step = True
         return applied
 
     def zero_grad(self) -> None:
