@@ -16,7 +16,6 @@ import math
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,17 +31,8 @@ from ..tracer import Tracer
 from ..lazy import lazy_record
 from .hooks import map_tensors, wrap_for_backward
 from .params import DTYPES, ChunkedParams
+from .saved import SavedParameterViews
 from .stepper import ChunkAdam, LossScaler, ScaleGrad, hyper_of
-
-@dataclass(frozen=True, slots=True)
-class SavedChunkView:
-    """A tensor autograd saved that lives in parameter chunk ``chunk`` (elements from the buffer start)."""
-
-    chunk: int
-    offset: int
-    size: tuple
-    stride: tuple
-
 
 # The device tier must hold a few parameter chunks plus the fp32 gradient chunks being filled,
 # and the CPU tier one chunk's grad, master, exp_avg, exp_avg_sq and parameters plus prefetches:
@@ -111,7 +101,7 @@ class OffloadEngine:
         self._bwd_reset()
         self._install_hooks()
         self.step_count = 0
-        self._saved_hooks = None
+        self.saved = SavedParameterViews(self.params, self.device)
         self.last_stats: dict = {}
         self._closed = False
 
@@ -246,8 +236,7 @@ class OffloadEngine:
         if module is self.model and not self.in_backward:
             self._begin_iteration()
             if torch.is_grad_enabled():
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-                self._saved_hooks.__enter__()
+                self.saved.enter()
         chunks = self.module_chunks[module]
         for c in chunks:
             self.params.pin(c)
@@ -280,7 +269,7 @@ class OffloadEngine:
         if module in self.discovering:
             self._finish_discovery(module)
         if module is self.model:
-            self._exit_saved_hooks()
+            self.saved.exit()
         if torch.is_grad_enabled():
             output = wrap_for_backward(output, lambda m=module: self._pre_backward(m))
             if module is self.model and self.scaler is not None:
@@ -290,41 +279,8 @@ class OffloadEngine:
     def _scale_if_needed(self, t: torch.Tensor) -> torch.Tensor:
         return ScaleGrad.apply(self.scaler, t) if t.requires_grad and t.is_floating_point() else t
 
-    # Autograd saves views of parameters (``weight.t()`` for a matmul) that point into chunk
-    # buffers; the pool hands those buffers to other chunks once a chunk is evicted. So a saved
-    # tensor that lives in a pinned parameter chunk is stored as (chunk, offset, size, stride) and
-    # rebuilt from wherever the chunk is on the device when backward needs it.
-    def _pack(self, t: torch.Tensor):
-        if t.device != self.device or t.layout != torch.strided:
-            return t
-        try:
-            base = t.untyped_storage().data_ptr()
-        except RuntimeError:
-            return t
-        c = self.params.pinned_buffers.get(base)
-        if c is None:
-            return t
-        if t.dtype != self.params.dtype:
-            return t.clone()       # a reinterpreting view: keep a private copy
-        offset = (t.data_ptr() - base) // t.element_size()
-        return SavedChunkView(c, offset, tuple(t.size()), tuple(t.stride()))
-
-    def _unpack(self, packed):
-        if not isinstance(packed, SavedChunkView):
-            return packed
-        if self.params.pins[packed.chunk] == 0:
-            # Used outside the hooks' view: pin it until the backward ends (unpin_all there).
-            self.params.pin(packed.chunk)
-        view = self.store.view(("param", packed.chunk), "device")
-        return torch.as_strided(view, packed.size, packed.stride, packed.offset)
-
-    def _exit_saved_hooks(self) -> None:
-        hooks, self._saved_hooks = self._saved_hooks, None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-
     def _begin_iteration(self) -> None:
-        self._exit_saved_hooks()    # a forward that raised never reached its post-hook
+        self.saved.exit()    # a forward that raised never reached its post-hook
         self.active.clear()
         self.fwd_pinned.clear()
         if self.window_applied:

@@ -1,0 +1,69 @@
+"""Autograd's saved tensors that live in parameter chunks, stored by reference.
+
+Autograd saves views of parameters (``weight.t()`` for a matmul) that point into chunk buffers,
+and the tier's pool hands those buffers to other chunks once a chunk is evicted. So while the
+wrapped model's forward runs, a saved tensor that lives in an attached parameter chunk is stored
+as (chunk, offset, size, stride) and rebuilt from wherever the chunk is on the device when
+backward needs it — the activation-offload hook point DESIGN.md describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .params import ChunkedParams
+
+
+@dataclass(frozen=True, slots=True)
+class SavedChunkView:
+    """A saved tensor in parameter chunk ``chunk``: ``offset`` elements from the buffer start."""
+
+    chunk: int
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+class SavedParameterViews:
+    """``enter()`` at the start of the model's forward, ``exit()`` at its end (or the next start)."""
+
+    def __init__(self, params: ChunkedParams, device: torch.device):
+        self.params = params
+        self.device = device
+        self._hooks = None
+
+    def enter(self) -> None:
+        self.exit()     # a forward that raised never reached its exit
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def exit(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    def pack(self, t: torch.Tensor):
+        if t.device != self.device or t.layout != torch.strided:
+            return t
+        try:
+            base = t.untyped_storage().data_ptr()
+        except RuntimeError:
+            return t
+        c = self.params.pinned_buffers.get(base)
+        if c is None:
+            return t
+        if t.dtype != self.params.dtype:
+            return t.clone()       # a reinterpreting view: keep a private copy
+        offset = (t.data_ptr() - base) // t.element_size()
+        return SavedChunkView(c, offset, tuple(t.size()), tuple(t.stride()))
+
+    def unpack(self, packed):
+        if not isinstance(packed, SavedChunkView):
+            return packed
+        if self.params.pins[packed.chunk] == 0:
+            # Used outside the hooks' view: pinned until the backward ends (unpin_all there).
+            self.params.pin(packed.chunk)
+        view = self.params.store.view(("param", packed.chunk), "device")
+        return torch.as_strided(view, packed.size, packed.stride, packed.offset)
