@@ -62,8 +62,7 @@ class ChunkRecord:
 class ChunkStore:
     """Chunks of several kinds over an ordered list of tiers (top = compute device)."""
 
-    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None, *,
-                 hand_over: bool = False):
+    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None):
         if not tiers:
             raise ConfigError("tiers", tiers, "at least one tier is needed")
         self.tiers = {t.name: t for t in tiers}
@@ -74,15 +73,11 @@ class ChunkStore:
         self.lock = threading.RLock()
         self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.tracer = None      # an offload.tracer.Tracer: every move becomes a span on its own track
-        # Called as on_free(key, tier, buffer) just before a copy's buffer goes back to its tier (under the
+        # Called as on_free(key, tier) just before a copy's buffer goes back to its tier (under the
         # lock): the engine keeps parameters viewing idle chunks and detaches them here.
         self.on_free = None
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
-        # With hand_over, a chunk moving between two tiers that are both host memory (a CPU
-        # "device") changes tier by handing its buffer over instead of being copied.
-        self.hand_over = hand_over
-        self.handed_over: Counter = Counter()  # (src, dst) -> bytes moved that way
         # tier -> keys holding a copy there (a dict for its insertion order: ties evict deterministically)
         self.resident: dict[str, dict] = {name: {} for name in self.order}
         # Chunks that an operation in progress is moving: making room for one move (which may
@@ -372,13 +367,11 @@ class ChunkStore:
                 "chunks": len(self.records),
                 "chunk_states": dict(states),
                 "moved_bytes": {f"{s}->{d}": n for (s, d), n in sorted(self.moved.items())},
-                "handed_over_bytes": {f"{s}->{d}": n for (s, d), n in sorted(self.handed_over.items())},
             }
 
     def reset_counters(self) -> None:
         with self.lock:
             self.moved.clear()
-            self.handed_over.clear()
 
     def moved_bytes(self) -> int:
         with self.lock:
@@ -422,8 +415,6 @@ class ChunkStore:
             buf = None
             version = rec.version
             move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
-        elif self._hand_over(rec, src, dst):
-            return Move(src, dst, 0, None)
         else:
             buf = self._allocate(dst, rec)
             # Making room may have waited (lock released): another thread may have moved or
@@ -465,39 +456,6 @@ class ChunkStore:
         if move.synchronous:   # a CPU copy already done: settle it now
             move.finish()
         return move
-
-    def _same_memory(self, src: str, dst: str) -> bool:
-        """Both tiers are host memory (the compute device is the CPU itself) and a buffer of ``src``
-        can serve ``dst`` as it is (aligned where ``dst`` needs O_DIRECT)."""
-        a, b = self.tiers.get(src), self.tiers.get(dst)
-        return (isinstance(a, MemoryTier) and isinstance(b, MemoryTier) and a.device.type == "cpu"
-                and b.device.type == "cpu" and (a.aligned or not b.aligned))
-
-    def _hand_over(self, rec: ChunkRecord, src: str, dst: str) -> bool:
-        """Move a chunk between two tiers of the same host memory by handing its buffer over,
-        not copying it. Parameters viewing the buffer keep viewing it. False: copy instead."""
-        if not self.hand_over or not self._same_memory(src, dst) or rec.pins[src] or rec.busy \
-                or src not in rec.buffers:
-            return False
-        self._protected[rec.key] += 1
-        try:
-            self._make_room(dst, rec.nbytes, rec.key)
-        finally:
-            self._protected[rec.key] -= 1
-            if not self._protected[rec.key]:
-                del self._protected[rec.key]
-        # Making room may have waited with the lock released: check again.
-        if rec.pins[src] or rec.busy or src not in rec.buffers or dst in rec.buffers:
-            return False
-        if not self.tiers[dst].can_allocate(rec.nbytes):
-            return False
-        buf = rec.buffers.pop(src)
-        self.resident[src].pop(rec.key, None)
-        self.tiers[src].disown(buf)
-        self.tiers[dst].adopt(buf)
-        self._add_copy(rec, dst, buf)
-        self.handed_over[(src, dst)] += rec.nbytes
-        return True
 
     def _settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
@@ -583,7 +541,7 @@ class ChunkStore:
     def _drop_copy(self, rec: ChunkRecord, tier: str) -> None:
         """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
         if self.on_free is not None:
-            self.on_free(rec.key, tier, rec.buffers[tier])
+            self.on_free(rec.key, tier)
         self.tiers[tier].free(rec.buffers.pop(tier))
         self.resident[tier].pop(rec.key, None)
 

@@ -65,15 +65,12 @@ class OffloadEngine:
         self.layout = ChunkLayout.build(shapes, config.chunk_size, max_chunk=max_chunk)
         self._check_budgets(device_budget, cpu_budget)
         self.policy = NextUsePolicy(auto_advance=False) if config.eviction == "next_use" else LRUPolicy()
-        # On a CPU "device" both memory tiers are RAM and chunks move between them by handing
-        # buffers over; the device tier's buffers must then be O_DIRECT-able too.
-        host_device = self.device.type == "cpu" and config.nvme_paths is not None
-        tiers = [MemoryTier("device", device_budget, self.device, aligned=host_device),
+        tiers = [MemoryTier("device", device_budget, self.device),
                  MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
                             pin=self.device.type == "cuda" and config.pin_memory)]
         if config.nvme_paths is not None:
             tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
-        self.store = ChunkStore(tiers, self.policy, hand_over=self.device.type == "cpu")
+        self.store = ChunkStore(tiers, self.policy)
         self.store.tracer = self.tracer
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,

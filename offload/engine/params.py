@@ -181,10 +181,8 @@ class ChunkedParams:
             p.data = self._placeholder
         self.pinned_buffers.pop(ptr, None)
 
-    def on_store_free(self, key, tier: str, buf: torch.Tensor) -> None:
-        # The buffer may have been handed from tier to tier (host memory): what matters is
-        # whether it is the one the parameters view.
-        if key[0] == "param" and self.attached.get(key[1]) == buf.untyped_storage().data_ptr():
+    def on_store_free(self, key, tier: str) -> None:
+        if key[0] == "param" and tier == "device":
             self.detach(key[1])
 
     def unpin_all(self) -> None:

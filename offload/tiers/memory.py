@@ -70,18 +70,6 @@ class MemoryTier:
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
 
-    def adopt(self, buf: torch.Tensor) -> None:
-        """Take over a buffer handed from another tier of the same memory (no copy); the caller
-        has made room for it."""
-        if not self.can_allocate(buf.numel()):
-            raise TierFullError(self.name, self.budget, self.in_use, buf.numel())
-        self._shrink_pool(self.budget - self.in_use - buf.numel())   # reserved stays within budget
-        self.in_use += buf.numel()
-
-    def disown(self, buf: torch.Tensor) -> None:
-        """Hand a buffer over to another tier: it stops counting here and is not pooled."""
-        self.in_use -= buf.numel()
-
     def trim(self) -> int:
         """Hand every pooled buffer back to the system; returns the bytes released."""
         released = self._pooled_bytes

@@ -39,20 +39,17 @@ def _nvme_tier(path):
 
 
 class StoreMachine(RuleBasedStateMachine):
-    hand_over = False
-
     def __init__(self):
         super().__init__()
         base = ROOT / ".pytest-tmp"
         base.mkdir(exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(dir=base))
-        tiers = [MemoryTier("device", 3 * NUMEL * 4, aligned=self.hand_over),
-                 MemoryTier("cpu", 4 * NUMEL * 4, aligned=True)]
+        tiers = [MemoryTier("device", 3 * NUMEL * 4), MemoryTier("cpu", 4 * NUMEL * 4, aligned=True)]
         nvme = _nvme_tier(self.dir)
         if nvme is not None:
             tiers.append(nvme)
         self.has_nvme = nvme is not None
-        self.store = ChunkStore(tiers, LRUPolicy(), hand_over=self.hand_over)
+        self.store = ChunkStore(tiers, LRUPolicy())
         self.shadow: dict = {}
         self.pinned: dict = {}          # key -> (tier, view)
         gen = torch.Generator().manual_seed(0)
@@ -151,16 +148,6 @@ class StoreMachine(RuleBasedStateMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
-
-
-class HandOverMachine(StoreMachine):
-    """The same rules with buffers handed between the two host-memory tiers instead of copied."""
-
-    hand_over = True
-
-
-HandOverMachine.TestCase.settings = StoreMachine.TestCase.settings
-TestHandOverMachine = HandOverMachine.TestCase
 
 
 def test_illegal_transitions_raise():
