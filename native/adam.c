@@ -151,29 +151,20 @@ static int thread_count(long long n, int threads)
 
 /* ---- Adam --------------------------------------------------------------------------- */
 
-static off__adam_kernel kernel_for(int level)
-{
+/* The kernels of each level, indexed by enum off_simd. */
+static const struct {
+    off__adam_kernel adam;
+    off__probe_kernel probe;
+} kernels[] = {
+    [OFF_SIMD_SCALAR] = {off__adam_scalar, off__probe_scalar},
 #if defined(__x86_64__)
-    if (level == OFF_SIMD_AVX512)
-        return off__adam_avx512;
-    if (level == OFF_SIMD_AVX2)
-        return off__adam_avx2;
+    [OFF_SIMD_AVX2] = {off__adam_avx2, off__probe_avx2},
+    [OFF_SIMD_AVX512] = {off__adam_avx512, off__probe_avx512},
+#else
+    [OFF_SIMD_AVX2] = {off__adam_scalar, off__probe_scalar},
+    [OFF_SIMD_AVX512] = {off__adam_scalar, off__probe_scalar},
 #endif
-    (void)level;
-    return off__adam_scalar;
-}
-
-static off__probe_kernel probe_for(int level)
-{
-#if defined(__x86_64__)
-    if (level == OFF_SIMD_AVX512)
-        return off__probe_avx512;
-    if (level == OFF_SIMD_AVX2)
-        return off__probe_avx2;
-#endif
-    (void)level;
-    return off__probe_scalar;
-}
+};
 
 static int check_level(int level)
 {
@@ -266,7 +257,7 @@ OFF_EXPORT int off_adam_step_level(int level, const off_adam_hparams *hp, float 
         || misaligned(grad, grad_dtype == OFF_DTYPE_FP32 ? 4 : 2)
         || (out_dtype != OFF_DTYPE_NONE && misaligned(out, 2)))
         return -EINVAL;
-    job.kernel = kernel_for(level);
+    job.kernel = kernels[level].adam;
     job.param = param;
     job.grad = grad;
     job.grad_dtype = grad_dtype;
@@ -331,7 +322,7 @@ OFF_EXPORT int off_stream_probe_level(int level, float *a, float *b, float *c, c
         || misaligned(d, d_dtype == OFF_DTYPE_FP32 ? 4 : 2)
         || (e_dtype != OFF_DTYPE_NONE && misaligned(e, 2)))
         return -EINVAL;
-    struct probe_job job = {probe_for(level), a, b, c, d, d_dtype,
+    struct probe_job job = {kernels[level].probe, a, b, c, d, d_dtype,
                             e_dtype != OFF_DTYPE_NONE ? e : NULL, e_dtype, n};
     pool_run(probe_task, &job, thread_count(n, threads));
     return 0;

@@ -131,9 +131,7 @@ INLINE void run(const off__adam_consts *c, float *param, const void *grad, int g
 void off__adam_avx512(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                       float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
 {
-    CASE(OFF_DTYPE_FP32, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP32, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP32, OFF_DTYPE_FP16)
-    CASE(OFF_DTYPE_BF16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_BF16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_BF16, OFF_DTYPE_FP16)
-    CASE(OFF_DTYPE_FP16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
+    OFF_FOR_EACH_DTYPE_PAIR(CASE)
 }
 #undef CASE
 
@@ -173,9 +171,7 @@ INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_dtype, 
 void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_dtype, void *e,
                        int e_dtype, long long n)
 {
-    CASE(OFF_DTYPE_FP32, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP32, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP32, OFF_DTYPE_FP16)
-    CASE(OFF_DTYPE_BF16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_BF16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_BF16, OFF_DTYPE_FP16)
-    CASE(OFF_DTYPE_FP16, OFF_DTYPE_NONE) CASE(OFF_DTYPE_FP16, OFF_DTYPE_BF16) CASE(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
+    OFF_FOR_EACH_DTYPE_PAIR(CASE)
 }
 #undef CASE
 

@@ -135,4 +135,12 @@ static inline uint16_t off__f32_to_f16(float f)
     return (uint16_t)(sign | r);
 }
 
+/* Every (gradient dtype, output dtype) pair the kernels specialise a loop for: each SIMD file
+ * expands X(G, O) into "if (grad == G && out == O) { specialised loop; return; }", so the
+ * dtype branches fold away inside the loop. */
+#define OFF_FOR_EACH_DTYPE_PAIR(X) \
+    X(OFF_DTYPE_FP32, OFF_DTYPE_NONE) X(OFF_DTYPE_FP32, OFF_DTYPE_BF16) X(OFF_DTYPE_FP32, OFF_DTYPE_FP16) \
+    X(OFF_DTYPE_BF16, OFF_DTYPE_NONE) X(OFF_DTYPE_BF16, OFF_DTYPE_BF16) X(OFF_DTYPE_BF16, OFF_DTYPE_FP16) \
+    X(OFF_DTYPE_FP16, OFF_DTYPE_NONE) X(OFF_DTYPE_FP16, OFF_DTYPE_BF16) X(OFF_DTYPE_FP16, OFF_DTYPE_FP16)
+
 #endif
