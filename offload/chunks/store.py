@@ -286,20 +286,9 @@ class ChunkStore:
 
     def read(self, key: ChunkKey) -> torch.Tensor:
         """A CPU copy of the chunk's current contents, from whichever tier holds them (no state change)."""
-        with self.lock:
-            rec = self._rec(key)
-            self._settle(rec)
-            if rec.state is ChunkState.FREE:
-                raise StateError(f"chunk {key} holds no data")
-            for tier in self.order:
-                if tier in rec.buffers:
-                    return self._typed(rec.buffers[tier], rec).to("cpu", copy=True)
-            from ..aio import aligned_empty
+        from ..aio import aligned_empty
 
-            tmp = aligned_empty(rec.slot.nbytes, torch.uint8)
-            self.tiers["nvme"].read(rec.slot, tmp).wait()
-            self.moved[("nvme", "host")] += rec.nbytes
-            return self._typed(tmp, rec).clone()
+        return self.read_into(key, aligned_empty(self.staging_bytes(key), torch.uint8))
 
     def read_into(self, key: ChunkKey, out: torch.Tensor) -> torch.Tensor:
         """``read`` without allocating: copy the chunk's current contents into ``out`` and return its
@@ -366,8 +355,13 @@ class ChunkStore:
                 "tiers": tiers,
                 "chunks": len(self.records),
                 "chunk_states": dict(states),
-                "moved_bytes": {f"{s}->{d}": n for (s, d), n in sorted(self.moved.items())},
+                "moved_bytes": self.moved_by_direction(),
             }
+
+    def moved_by_direction(self) -> dict:
+        """Bytes moved per direction ("cpu->nvme": n) since ``reset_counters``."""
+        with self.lock:
+            return {f"{s}->{d}": n for (s, d), n in sorted(self.moved.items())}
 
     def reset_counters(self) -> None:
         with self.lock:

@@ -508,7 +508,7 @@ class OffloadEngine:
         self.last_stats = {
             "step": self.step_count,
             "applied": applied,
-            "moved_bytes": self.store.memory_report()["moved_bytes"],
+            "moved_bytes": self.store.moved_by_direction(),
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
             "chunk_fetches": hits + misses,
             "wait_s": totals.get("wait", 0.0),
