@@ -286,11 +286,7 @@ def main(argv=None) -> int:
     finally:
         if log:
             log.close()
-        engine = model.offload_engine
-        if args.keep_nvme:
-            engine.adam.close()
-        else:
-            engine.close()
+        model.offload_engine.close(keep_files=args.keep_nvme)
     return 0
 
 

@@ -233,6 +233,8 @@ class OffloadEngine:
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self.model and self.in_backward and not self._autograd_running():
+            self._abort_backward()
         if module is self.model and not self.in_backward:
             self._begin_iteration()
             if torch.is_grad_enabled():
@@ -280,7 +282,11 @@ class OffloadEngine:
         return ScaleGrad.apply(self.scaler, t) if t.requires_grad and t.is_floating_point() else t
 
     def _begin_iteration(self) -> None:
-        self.saved.exit()    # a forward that raised never reached its post-hook
+        # A forward that raised never reached its post-hooks: let go of what it held.
+        self.saved.exit()
+        for _, chunks, _ in self.fwd_pinned:
+            for c in chunks:
+                self.params.unpin(c)
         self.active.clear()
         self.fwd_pinned.clear()
         if self.window_applied:
@@ -416,6 +422,22 @@ class OffloadEngine:
         self.micro_batches += 1
         self._bwd_reset()
 
+    @staticmethod
+    def _autograd_running() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _abort_backward(self) -> None:
+        """A backward raised, so its end-of-backward callback never ran: release what it held.
+        Gradients accumulated so far stay, as they would in ``.grad`` with plain PyTorch."""
+        for c in list(self.grad_views):
+            self.grad_views.pop(c)
+            self.store.release(("grad", c), "device", dirty=True)
+        for module in list(self.bwd_pins):
+            self._release_backward_pins(module)
+        self.params.unpin_all()
+        self.ready.clear()
+        self._bwd_reset()
+
     def _bwd_reset(self) -> None:
         self.in_backward = False
         self.eager = False
@@ -482,6 +504,7 @@ class OffloadEngine:
                 for nxt in todo[i + 1:i + 1 + depth]:
                     self.adam.prefetch(nxt)
                 self.adam.update(c, self._runs(c), scale)
+                self.updated_chunks.add(c)      # a step retried after an error skips it
             self.adam.commit_steps({i for i in self.with_grad if i in self._group_of})
             self.step_count += 1
         if self.scaler is not None:
@@ -494,6 +517,8 @@ class OffloadEngine:
         return applied
 
     def zero_grad(self) -> None:
+        if self.in_backward and not self._autograd_running():
+            self._abort_backward()
         self.adam.drain()
         for c in range(self.layout.num_chunks):
             rec = self.store.records[("grad", c)]
@@ -527,15 +552,16 @@ class OffloadEngine:
                 "layout": {"chunks": self.layout.num_chunks, "chunk_size": self.layout.chunk_size,
                            "params": self.layout.total_params}}
 
-    def close(self) -> None:
-        """Stop the worker and delete the NVMe swap files (the model's values are gone with them)."""
+    def close(self, *, keep_files: bool = False) -> None:
+        """Stop the worker and delete the NVMe swap files (the model's values are gone with them);
+        ``keep_files`` leaves them on disk for inspection."""
         if self._closed:
             return
         self._closed = True
         self.adam.close()
         nvme = self.store.tiers.get("nvme")
         if nvme is not None:
-            nvme.close(remove=True)
+            nvme.close(remove=not keep_files)
 
     def __del__(self):
         try:

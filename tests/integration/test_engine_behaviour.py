@@ -152,3 +152,30 @@ def test_lr_scheduler_drives_offloaded_params(disk_tmp):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
     model.offload_engine.close()
+
+
+def test_a_forward_or_backward_that_raises_releases_what_it_held(disk_tmp):
+    torch.manual_seed(0)
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    data = list(batches(3))
+    x, y = data[0]
+    loss = model(x, y)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    hook = model.blocks[1].fc.weight.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    hook.remove()
+    opt.zero_grad()
+    with pytest.raises(AttributeError):
+        model(x, None)                                  # targets=None: the forward raises
+    for x, y in data[1:]:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    states = model.offload_engine.store.memory_report()["chunk_states"]
+    assert "COMPUTE" not in states and model.offload_stats()["step"] == 2
+    model.offload_engine.close()
