@@ -104,6 +104,7 @@ class AdamW(CPUAdamW):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ConfigError("max_grad_norm", max_grad_norm, "must be a positive number or None")
         self.max_grad_norm = max_grad_norm
+        self.clip_this_step: float | None = None     # set by clip_grad_norm_, used by the next step
         self.last_grad_norm: float | None = None
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, **kwargs)
@@ -120,8 +121,11 @@ class AdamW(CPUAdamW):
         return engine_of(p) is not None
 
     def _before_step(self) -> None:
-        for e in self._engines:
-            e.step()
+        try:
+            for e in self._engines:
+                e.step()
+        finally:
+            self.clip_this_step = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for e in self._engines:
@@ -138,7 +142,7 @@ class AdamW(CPUAdamW):
         if any(e.updated_chunks for e in self._engines):
             raise OffloadError("clip_grad_norm_ came after the update already ran during backward; "
                                "pass max_grad_norm=... to offload.AdamW(...) instead")
-        self.max_grad_norm = float(max_norm)
+        self.clip_this_step = float(max_norm)
         norms = [e.grad_norm() for e in self._engines]
         return torch.tensor(sum(n * n for n in norms) ** 0.5)
 

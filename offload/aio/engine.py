@@ -197,8 +197,11 @@ class AsyncIO:
             bs = self.config.block_size
             direct_pieces: list[Piece] = []
             thread_pieces: list[Piece] = []
+            opened: dict[str, tuple[int, bool]] = {}     # a striped request visits each member often
             for member, moff, loff, n in segments:
-                fd, direct = self._open(member, create, moff, n, address, offset, nbytes)
+                if member not in opened:
+                    opened[member] = self._open(member, create, moff, n, address, offset, nbytes)
+                fd, direct = opened[member]
                 out = direct_pieces if direct else thread_pieces
                 pos, end = loff, loff + n
                 while pos < end:

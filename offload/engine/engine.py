@@ -324,6 +324,8 @@ class OffloadEngine:
         final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
         self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
                       and self.optimizer.max_grad_norm is None and final_micro_batch)
+        if self.eager:
+            self._refresh_hypers()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -379,8 +381,8 @@ class OffloadEngine:
             ref = self.params.ref(p)
             if p.requires_grad and ref.index not in self.with_grad:
                 view[ref.slot.offset:ref.slot.end].zero_()
-        if self.scaler is not None or self.optimizer_clips():
-            self.sumsq[c] = view.float().pow(2).sum()
+        if not self.eager:   # the update waits for backward: clipping or overflow checks may need the norm
+            self.sumsq[c] = torch.dot(view, view)    # fp32 already; no chunk-sized temporary
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True
@@ -397,9 +399,6 @@ class OffloadEngine:
     def _on_unpinned(self, c: int) -> None:
         if c in self.ready:
             self._submit(c)
-
-    def optimizer_clips(self) -> bool:
-        return self.optimizer is not None and self.optimizer.max_grad_norm is not None
 
     def _release_backward_pins(self, module: nn.Module) -> None:
         started = self.bwd_started.pop(module, None)
@@ -468,17 +467,19 @@ class OffloadEngine:
                 if self.params.owns(p):
                     self._group_of[self.params.ref(p).index] = gi
 
-    def _hypers(self) -> dict[int, object]:
+    def _refresh_hypers(self) -> None:
+        """Read lr and friends from the param groups once (a scheduler may have changed them);
+        every chunk updated until the next refresh uses these."""
         groups = [hyper_of(g) for g in self.optimizer.param_groups]
-        return {i: groups[gi] for i, gi in self._group_of.items()}
+        self._hyper_of = {i: groups[gi] for i, gi in self._group_of.items()}
 
     def _runs(self, c: int):
-        with_grad = {i for i in self.with_grad if i in self._group_of}
-        return self.adam.runs(c, with_grad, self._hypers())
+        return self.adam.runs(c, self.with_grad, self._hyper_of)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients of this accumulation window."""
-        total = sum(float(v) for v in self.sumsq.values()) if self.sumsq else 0.0
+        # One device sync for all chunks, not one per chunk.
+        total = float(torch.stack(list(self.sumsq.values())).sum()) if self.sumsq else 0.0
         norm = math.sqrt(total) if math.isfinite(total) else float("inf")
         return norm / self.scaler.scale if self.scaler is not None else norm
 
@@ -488,14 +489,15 @@ class OffloadEngine:
             raise OffloadError("no offload optimizer is attached to this model")
         self.adam.drain()
         applied = True
-        overflow = self.scaler is not None and not math.isfinite(self.grad_norm())
+        max_norm = self.optimizer.max_grad_norm or self.optimizer.clip_this_step
+        norm = self.grad_norm() if self.scaler is not None or max_norm is not None else 0.0
+        overflow = self.scaler is not None and not math.isfinite(norm)
         if overflow:
             applied = False
         else:
+            self._refresh_hypers()
             scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-            max_norm = self.optimizer.max_grad_norm
             if max_norm is not None:
-                norm = self.grad_norm()
                 self.optimizer.last_grad_norm = norm
                 scale *= min(1.0, max_norm / (norm + 1e-6))
             todo = sorted(self.grad_chunks - self.updated_chunks)

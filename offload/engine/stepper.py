@@ -99,7 +99,7 @@ class ChunkAdam:
         params = self.engine.params
         for p in params.chunk_members[c]:
             ref = params.ref(p)
-            if ref.index not in with_grad:
+            if ref.index not in with_grad or ref.index not in groups:   # no gradient, or not ours to update
                 out.append(None)
                 continue
             h, step = groups[ref.index], self.steps[ref.index] + 1
@@ -155,7 +155,7 @@ class ChunkAdam:
                               lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                               step=step, decoupled=h.decoupled, grad_scale=grad_scale, maximize=h.maximize,
                               out=None if out is None else out[start:end], threads=self.threads)
-                if out is not None and runs:
+                if out is not None:
                     # Parameters skipped this step keep their values in the rewritten chunk.
                     self._copy_skipped(c, master, out, runs)
         finally:

@@ -179,3 +179,26 @@ def test_a_forward_or_backward_that_raises_releases_what_it_held(disk_tmp):
     states = model.offload_engine.store.memory_report()["chunk_states"]
     assert "COMPUTE" not in states and model.offload_stats()["step"] == 2
     model.offload_engine.close()
+
+
+def test_clip_grad_norm_between_backward_and_step_matches_torch(disk_tmp):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, overlap_optimizer=False))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in batches(3):
+        model(x, y).backward()
+        norm = opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    assert opt.max_grad_norm is None          # one call clips one step
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
