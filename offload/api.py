@@ -18,6 +18,9 @@ from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, _scalar_dtype
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
 def engine_of(p: torch.Tensor) -> OffloadEngine | None:
     ref = getattr(p, "_offload_engine", None)
     return ref() if ref is not None else None
@@ -156,35 +159,35 @@ class AdamW(CPUAdamW):
 
     def state_dict(self):
         sd = super().state_dict()
-        for i, p in self._indexed():
-            e = engine_of(p)
-            if e is None:
-                continue
+        for e, entries in self._wrapped_by_engine(i for i, _ in self._indexed()).items():
             e.adam.drain()
-            ref = e.params.ref(p)
-            steps = e.adam.steps[ref.index]
-            if steps == 0:
-                continue
-            sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()),
-                              "exp_avg": e.params.gather(p, "exp_avg"),
-                              "exp_avg_sq": e.params.gather(p, "exp_avg_sq")}
+            stepped = [(i, p) for i, p in entries if e.adam.steps[e.params.ref(p).index] > 0]
+            moments = {kind: e.params.gather_all(kind, [p for _, p in stepped]) for kind in MOMENTS}
+            for i, p in stepped:
+                steps = e.adam.steps[e.params.ref(p).index]
+                sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()),
+                                  **{kind: moments[kind][id(p)] for kind in MOMENTS}}
         return sd
 
     def load_state_dict(self, state_dict):
-        state = dict(state_dict["state"])
-        mine = {}
-        for i, p in self._indexed():
-            e = engine_of(p)
-            if e is not None and i in state:
-                mine[i] = (p, e, state.pop(i))
-        super().load_state_dict({**state_dict, "state": state})
-        for i, (p, e, st) in mine.items():
+        mine = self._wrapped_by_engine(state_dict["state"])
+        ours = {i for entries in mine.values() for i, _ in entries}
+        super().load_state_dict({**state_dict, "state": {i: st for i, st in state_dict["state"].items()
+                                                         if i not in ours}})
+        for e, entries in mine.items():
             e.adam.drain()
-            ref = e.params.ref(p)
-            e.adam.steps[ref.index] = int(float(st["step"]))
-            for kind in ("exp_avg", "exp_avg_sq"):
-                key = (kind, ref.slot.chunk)
-                chunk = e.store.read(key) if e.store.records[key].state.name != "FREE" else \
-                    torch.zeros(e.layout.chunk_size, dtype=torch.float32)
-                chunk[ref.slot.offset:ref.slot.end].copy_(st[kind].reshape(-1).float())
-                e.store.write(key, chunk)
+            for i, p in entries:
+                e.adam.steps[e.params.ref(p).index] = int(float(state_dict["state"][i]["step"]))
+            for kind in MOMENTS:
+                e.params.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
+
+    def _wrapped_by_engine(self, indices) -> dict:
+        """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices``."""
+        index = dict(self._indexed())
+        out: dict = {}
+        for i in indices:
+            p = index.get(i)
+            e = engine_of(p) if p is not None else None
+            if e is not None:
+                out.setdefault(e, []).append((i, p))
+        return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..chunks import ChunkLayout, ChunkStore, ParamSlot
+from ..chunks import ChunkLayout, ChunkState, ChunkStore, ParamSlot
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -191,34 +191,42 @@ class ChunkedParams:
                 self.unpin(c)
 
     # ---- values (state_dict) ------------------------------------------------
-    def gather(self, p: nn.Parameter, kind: str | None = None) -> torch.Tensor:
-        """A CPU copy of one parameter's values (fp32 master when there is one)."""
+    def gather_all(self, kind: str | None = None, params=None) -> dict[int, torch.Tensor]:
+        """Values of ``params`` (default: all) in chunk ``kind`` (default: the fp32 master, or the
+        parameters themselves in fp32), reading each chunk once: ``{id(param): tensor}``.
+        A kind whose chunk holds nothing yet (exp_avg before the first step) reads as zeros."""
         kind = kind or ("master" if self.has_master else "param")
-        s = self.ref(p).slot
-        return self.store.read((kind, s.chunk))[s.offset:s.end].view(s.shape).clone()
-
-    def gather_all(self) -> dict[int, torch.Tensor]:
-        """Every parameter's values, reading each chunk once: ``{id(param): tensor}``."""
-        kind = "master" if self.has_master else "param"
+        wanted = None if params is None else {id(p) for p in params}
         out = {}
         for c, members in enumerate(self.chunk_members):
-            chunk = self.store.read((kind, c))
+            members = [p for p in members if wanted is None or id(p) in wanted]
+            if not members:
+                continue
+            chunk = self._read_or_zeros((kind, c))
             for p in members:
                 s = self.ref(p).slot
                 out[id(p)] = chunk[s.offset:s.end].view(s.shape).clone()
         return out
 
-    def scatter(self, values: dict[int, torch.Tensor]) -> None:
-        """Write new values (``{id(param): tensor}``) into the param and master chunks."""
+    def scatter(self, values: dict[int, torch.Tensor], kinds=None) -> None:
+        """Write new values (``{id(param): tensor}``) into chunks of ``kinds`` (default: the param
+        and master chunks), reading and writing each chunk once."""
+        if kinds is None:
+            kinds = ["param"] + (["master"] if self.has_master else [])
         by_chunk: dict[int, list] = {}
         for p in self.params:
             if id(p) in values:
                 by_chunk.setdefault(self.ref(p).slot.chunk, []).append(p)
         for c, members in by_chunk.items():
-            kinds = [("param", self.dtype)] + ([("master", torch.float32)] if self.has_master else [])
-            for kind, dtype in kinds:
-                chunk = self.store.read((kind, c))
+            for kind in kinds:
+                chunk = self._read_or_zeros((kind, c))
                 for p in members:
                     s = self.ref(p).slot
-                    chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(dtype))
+                    chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(chunk.dtype))
                 self.store.write((kind, c), chunk)
+
+    def _read_or_zeros(self, key) -> torch.Tensor:
+        rec = self.store.records[key]
+        if rec.state is ChunkState.FREE:
+            return torch.zeros(rec.numel, dtype=rec.dtype)
+        return self.store.read(key)
