@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from .config import read_json_object
 from .errors import ConfigError, OffloadError
 from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size, plan
+from .tiers.nvme import nvme_capacity
 from .units import parse_bytes
 
 ASSUMED_PCIE_GBPS = 25.0          # PCIe Gen4 x16 with pinned buffers, each way
@@ -177,7 +179,7 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
             if not Path(p).is_dir():
                 why = "is not a directory" if Path(p).exists() else "does not exist here"
                 raise ConfigError("--nvme-path", p, why + (" (give --nvme-capacity)" if describe else ""))
-        capacity, src["nvme_capacity"] = _free_bytes(paths), "measured (free space)"
+        capacity, src["nvme_capacity"] = nvme_capacity(paths), "measured (free space)"
     else:
         capacity, src["nvme_capacity"], where = 0, "no --nvme-path", "no NVMe path"
     read = write = 0.0
@@ -186,7 +188,7 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
         write = args.nvme_write_gbps or read
         src["nvme_gbps"] = "given"
     elif args.nvme_bench:
-        bench = _read_json(args.nvme_bench, "--nvme-bench")
+        bench = read_json_object(args.nvme_bench, "--nvme-bench")
         read = _number(bench, "read_gbps", args.nvme_bench)
         write = _number(bench, "write_gbps", args.nvme_bench)
         src["nvme_gbps"] = args.nvme_bench
@@ -202,7 +204,7 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
     if args.adam_params_per_s is not None:
         adam, src["adam_params_per_s"] = args.adam_params_per_s, "given"
     elif args.adam_bench:
-        bench = _read_json(args.adam_bench, "--adam-bench")
+        bench = read_json_object(args.adam_bench, "--adam-bench")
         adam = _number(bench, "params_per_s", args.adam_bench)
         src["adam_params_per_s"] = args.adam_bench
     elif describe:
@@ -218,18 +220,6 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
 
 def _missing(flag: str, why: str) -> OffloadError:
     return OffloadError(f"{flag} is needed {why}")
-
-
-def _read_json(path: str, flag: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(flag, path, f"cannot be read: {exc.strerror}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(flag, path, f"is not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(flag, path, "expected a JSON object")
-    return data
 
 
 def _number(data: dict, key: str, where: str) -> float:
@@ -250,17 +240,6 @@ def _number(data: dict, key: str, where: str) -> float:
     raise OffloadError(f"no positive {key!r} found in {where}")
 
 
-def _free_bytes(paths: list[str]) -> int:
-    """Free bytes over the distinct filesystems holding ``paths``."""
-    import shutil
-
-    seen, total = set(), 0
-    for p in paths:
-        dev = os.stat(p).st_dev
-        if dev not in seen:
-            seen.add(dev)
-            total += shutil.disk_usage(p).free
-    return total
 
 
 def _measure_nvme(paths: list[str], notes: list[str]) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import DEFAULT_MAX_CHUNK
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
-from ..scheduler import LRUPolicy, NextUsePolicy, TracePrefetcher
+from ..scheduler import NextUsePolicy, TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
 from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes
 from ..tracer import Tracer
@@ -64,7 +64,8 @@ class OffloadEngine:
         shapes = [(n, self._shapes.get(id(p), p.shape)) for n, p in named]
         self.layout = ChunkLayout.build(shapes, config.chunk_size, max_chunk=max_chunk)
         self._check_budgets(device_budget, cpu_budget)
-        self.policy = NextUsePolicy(auto_advance=False) if config.eviction == "next_use" else LRUPolicy()
+        # The engine moves the next-use clock itself (its prefetcher follows the trace).
+        self.policy = make_policy(config.eviction, auto_advance=False)
         tiers = [MemoryTier("device", device_budget, self.device),
                  MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
                             pin=self.device.type == "cuda" and config.pin_memory)]

@@ -103,9 +103,9 @@ class NextUsePolicy(EvictionPolicy):
         return self.trace.next_use(key, self.position % len(self.trace))
 
 
-def make_policy(name: str, trace: AccessTrace | None = None) -> EvictionPolicy:
+def make_policy(name: str, trace: AccessTrace | None = None, *, auto_advance: bool = True) -> EvictionPolicy:
     if name == "lru":
         return LRUPolicy()
     if name in ("next_use", "belady"):
-        return NextUsePolicy(trace)
+        return NextUsePolicy(trace, auto_advance=auto_advance)
     raise ConfigError("eviction", name, "must be 'lru' or 'next_use'")

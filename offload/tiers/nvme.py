@@ -8,6 +8,7 @@ in place, which these disks do ~1.7x faster than writing fresh blocks.
 
 from __future__ import annotations
 
+import os
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ class NvmeSlot:
     nbytes: int
 
 
+def nvme_capacity(dirs: Sequence[str]) -> int:
+    """Bytes one striped file over ``dirs`` can grow to. Striping gives every directory an equal
+    share, and directories on one filesystem share its free space: the tightest filesystem,
+    divided among its directories, bounds every share."""
+    by_fs: dict[int, list[str]] = {}
+    for d in dirs:
+        by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+    share = min(shutil.disk_usage(ds[0]).free // len(ds) for ds in by_fs.values())
+    return share * len(dirs)
+
+
 class NvmeTier:
     """Chunk slots in striped files under ``dirs``; reads and writes go through ``offload.aio``."""
 
@@ -53,13 +65,9 @@ class NvmeTier:
         self.aio = AsyncIO(aio_config or AioConfig())
         self.files: dict[str, object] = {}
         self.in_use = 0
-        self.budget = self._free_space()
+        self.budget = nvme_capacity(self.dirs)
         # Swap files go with the tier even when nobody calls close() (also at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_and_remove, self.aio, self.files)
-
-    def _free_space(self) -> int:
-        # Striping spreads a file evenly, so the smallest directory bounds the whole.
-        return min(shutil.disk_usage(d).free for d in self.dirs) * len(self.dirs)
 
     @property
     def reserved(self) -> int:
