@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .chunks.states import ChunkState
 from .errors import ChecksumError, ConfigError, OffloadError
 
 FORMAT = "offload-checkpoint"
@@ -122,16 +123,20 @@ def _write_all(fd: int, data, path: Path, offset: int) -> None:
         done += n
 
 
-def _write_file_atomic(path: Path, data: bytes) -> None:
+def write_file_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file, fsync, ``os.replace``, fsync of the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, data, tmp, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            _write_all(fd, data, tmp, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -247,7 +252,7 @@ def _engine(model):
     return engine
 
 
-def _persistent_buffers(model) -> dict[str, tuple[torch.nn.Module, str]]:
+def persistent_buffers(model) -> dict[str, tuple[torch.nn.Module, str]]:
     out = {}
     for mname, module in model.named_modules():
         for bname, buf in module._buffers.items():
@@ -381,7 +386,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     tmp.mkdir()
     try:
         manifest = _write_contents(engine, optimizer, tmp, step, extra)
-        _write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -393,7 +398,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
         os.rename(final, trash)
     os.rename(tmp, final)
     _fsync_dir(root)
-    _write_file_atomic(root / LATEST, (name + "\n").encode())
+    write_file_atomic(root / LATEST, (name + "\n").encode())
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     if keep is not None:
@@ -403,13 +408,14 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     return final
 
 
-def _staging(store, nbytes: int) -> list[torch.Tensor]:
-    """Two reusable chunk buffers (page-aligned when NVMe reads go straight into them), touched now."""
+def staging_buffers(store, nbytes: int, count: int = 2) -> list[torch.Tensor]:
+    """Reusable chunk buffers for ``store.read_into`` (page-aligned when NVMe reads go straight
+    into them), touched now so their first use does not pay for page faults."""
     if "nvme" in store.tiers:
         from .aio import aligned_empty
 
-        return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(2)]
-    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(count)]
+    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
 
 
 def _pipelined(items: list, fetch, consume) -> None:
@@ -452,9 +458,10 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
         rec0 = store.records[(kind, 0)]
         kinds[kind] = {"file": f"{kind}.bin", "dtype": _DTYPE_NAMES[rec0.dtype], "chunk_bytes": rec0.nbytes,
                        "chunks": [None] * layout.num_chunks}
-        items += [(kind, c) for c in range(layout.num_chunks) if store.records[(kind, c)].state.name != "FREE"]
-    bufs = _staging(store, max((store.staging_bytes(k) for k in items), default=0))
-    writers = {kind: _KindWriter(tmp / info["file"]) for kind, info in kinds.items()}
+        items += [(kind, c) for c in range(layout.num_chunks)
+                  if store.records[(kind, c)].state is not ChunkState.FREE]
+    bufs = staging_buffers(store, max((store.staging_bytes(k) for k in items), default=0))
+    writers: dict[str, _KindWriter] = {}
 
     def fetch(i):
         data = store.read_into(items[i], bufs[i % 2])
@@ -466,6 +473,8 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
         kinds[kind]["chunks"][c] = {"offset": writers[kind].append(data), algorithm: crc}
 
     try:
+        for kind, info in kinds.items():     # inside the try: a failed open closes the others
+            writers[kind] = _KindWriter(tmp / info["file"])
         _pipelined(items, fetch, consume)
     finally:
         for w in writers.values():
@@ -497,7 +506,7 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
         foreign = _foreign_optimizer_state(optimizer, engine)
         if foreign:
             manifest["optimizer"]["state"] = _torch_save_checked(foreign, tmp / "optimizer_state.pt", algorithm)
-    buffers = {n: getattr(m, b).detach().cpu() for n, (m, b) in _persistent_buffers(engine.model).items()}
+    buffers = {n: getattr(m, b).detach().cpu() for n, (m, b) in persistent_buffers(engine.model).items()}
     if buffers:
         manifest["buffers"] = _torch_save_checked(buffers, tmp / "buffers.pt", algorithm)
     if extra is not None:
@@ -559,7 +568,7 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
                                       for k, v in st.items()}
     if manifest.get("buffers"):
         saved = _torch_load_checked(ckpt, manifest["buffers"], algorithm)
-        live = _persistent_buffers(engine.model)
+        live = persistent_buffers(engine.model)
         for name, value in saved.items():
             if name not in live:
                 raise ConfigError("buffer", name, f"is in the checkpoint {ckpt} but not in the model")
@@ -631,7 +640,7 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
     for kind, info in manifest["kinds"].items():
         for c, entry in enumerate(info["chunks"]):
             if entry is None:
-                if store.records[(kind, c)].state.name != "FREE":
+                if store.records[(kind, c)].state is not ChunkState.FREE:
                     store.release_storage((kind, c))
             else:
                 items.append((kind, c, entry))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import persistent_buffers, staging_buffers, write_file_atomic
 from .errors import ConfigError, OffloadError
 
 INDEX = "model.safetensors.index.json"
@@ -55,15 +56,6 @@ def _dtype(dtype) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
         return _DTYPE_ALIASES[dtype.lower()]
     raise ConfigError("dtype", dtype, f"expected a torch dtype or one of {sorted(_DTYPE_ALIASES)}")
-
-
-def _persistent_buffers(model):
-    out = {}
-    for mname, module in model.named_modules():
-        for bname, buf in module._buffers.items():
-            if buf is not None and bname not in module._non_persistent_buffers_set:
-                out[f"{mname}.{bname}" if mname else bname] = (module, bname)
-    return out
 
 
 # ---- export ----------------------------------------------------------------------------------
@@ -141,7 +133,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
             if id(p) not in seen:
                 seen.add(id(p))
                 entries.append(_Entry(name, p.shape, out_dtype or p.dtype, buffer=p))
-    for name, (module, b) in _persistent_buffers(model).items():
+    for name, (module, b) in persistent_buffers(model).items():
         buf = getattr(module, b)
         bdtype = out_dtype if (out_dtype is not None and buf.is_floating_point()) else buf.dtype
         entries.append(_Entry(name, buf.shape, bdtype, buffer=buf))
@@ -151,6 +143,10 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
     cache: tuple[int, torch.Tensor] | None = None
+    staging = None
+    if engine is not None:
+        staging = staging_buffers(engine.store, max(engine.store.staging_bytes((source, c))
+                                                    for c in range(engine.layout.num_chunks)), count=1)[0]
     for shard, fname in zip(shards, names):
         path = root / fname
         tmp = root / f".{fname}.tmp-{os.getpid()}"
@@ -161,8 +157,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                     if e.slot is not None:
                         c = e.slot.chunk
                         if cache is None or cache[0] != c:
-                            cache = None
-                            cache = (c, engine.store.read((source, c)))
+                            cache = (c, engine.store.read_into((source, c), staging))
                         value = cache[1][e.slot.offset:e.slot.end].to(e.dtype)
                     else:
                         value = e.buffer.detach().to("cpu", e.dtype).reshape(-1)
@@ -176,9 +171,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
             tmp.unlink(missing_ok=True)
             raise
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    tmp = root / f".{INDEX}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=2))
-    os.replace(tmp, root / INDEX)
+    write_file_atomic(root / INDEX, json.dumps(index, indent=2).encode())
     for old in root.iterdir():              # shards of an earlier export with another shard count
         if _SHARD.match(old.name) and old.name not in names:
             old.unlink()
@@ -235,7 +228,7 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
     if engine is not None:
         engine.adam.drain()
     aliases = dict(model.named_parameters(remove_duplicate=False))
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     canonical = {}
     for name, p in model.named_parameters():
         canonical[id(p)] = name
@@ -250,7 +243,7 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
         else:
             unexpected.append(name)
     missing = sorted(name for pid, name in canonical.items() if pid not in wanted)
-    missing += sorted(n for n in buffers if n not in buffer_src and strict)
+    missing += sorted(n for n in buffers if n not in buffer_src)
     if strict and (missing or unexpected):
         raise OffloadError(f"load_safetensors({source}): missing tensors {missing[:20]}"
                            f"{' ...' if len(missing) > 20 else ''} ({len(missing)}), unexpected tensors "
@@ -351,12 +344,7 @@ def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
     master_kind = "master" if params.has_master else "param"
     if "master" not in staging:
         nbytes = max(store.staging_bytes((master_kind, i)) for i in range(engine.layout.num_chunks))
-        if "nvme" in store.tiers:                   # read_into reads NVMe-only chunks straight in
-            from .aio import aligned_empty
-
-            staging["master"] = aligned_empty(nbytes, torch.uint8)
-        else:
-            staging["master"] = torch.empty(nbytes, dtype=torch.uint8)
+        staging["master"] = staging_buffers(store, nbytes, count=1)[0]
         if params.has_master:
             staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype)
     covered = {id(p) for p, _, _ in members}

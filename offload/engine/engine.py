@@ -23,6 +23,7 @@ from torch import nn
 from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import DEFAULT_MAX_CHUNK
 from ..config import OffloadConfig
+from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
 from ..scheduler import NextUsePolicy, TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
@@ -338,7 +339,7 @@ class OffloadEngine:
         c = ref.slot.chunk
         if c not in self.grad_views:
             key = ("grad", c)
-            if self.store.records[key].state.name == "FREE":
+            if self.store.records[key].state is ChunkState.FREE:
                 # Only the gaps need zeros: every parameter's slice is written by its first gradient.
                 self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))
             self.grad_views[c] = self.store.access(key, "device")
@@ -525,7 +526,7 @@ class OffloadEngine:
         self.adam.drain()
         for c in range(self.layout.num_chunks):
             rec = self.store.records[("grad", c)]
-            if rec.state.name != "FREE":
+            if rec.state is not ChunkState.FREE:
                 self.store.release_storage(("grad", c))
         self._reset_window()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..chunks.states import ChunkState
 from ..errors import OffloadError
 from ..optim.kernel import adam_step
 
@@ -145,7 +146,7 @@ class ChunkAdam:
                 states = []
                 for kind in STATE_KINDS:
                     key = (kind, c)
-                    if store.records[key].state.name == "FREE":
+                    if store.records[key].state is ChunkState.FREE:
                         store.initialize(key, "cpu")          # torch creates zeros at the first step
                     states.append(take(key, True))
                 out = take(("param", c), True, overwrite=True) if params.has_master else None
