@@ -240,7 +240,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
     import torch
 
     import offload
-    from ..native import physical_cores
+    from ..native import physical_cores, simd_level
     from . import adam as adam_bench
     from . import nvme as nvme_bench
 
@@ -320,7 +320,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         threads = physical_cores()
         _say(f"Adam roofline: {params / 1e6:.1f}M params, {threads} threads", quiet)
         adam = adam_bench.measure(params=params, threads=threads, grad_dtype="fp32", out_dtype="bf16",
-                                  repeats=adam_repeats, with_torch=False)
+                                  repeats=adam_repeats, with_torch=False, levels=[simd_level()])
         roof = adam["results"]["roofline"]["params_per_s"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
