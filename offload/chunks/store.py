@@ -54,6 +54,14 @@ class ChunkRecord:
     def valid(self) -> set[str]:
         return set(self.buffers) | ({"nvme"} if self.nvme_valid else set())
 
+    def has(self, tier: str) -> bool:
+        """A current copy lives on ``tier`` (``valid`` without building a set: hot paths ask this)."""
+        return tier in self.buffers or (tier == "nvme" and self.nvme_valid)
+
+    def only_on(self, tier: str) -> bool:
+        """``tier`` holds the last current copy."""
+        return not self.nvme_valid and len(self.buffers) == 1 and tier in self.buffers
+
     @property
     def busy(self) -> bool:
         return bool(self.incoming)
@@ -146,7 +154,7 @@ class ChunkStore:
             rec = self._rec(key)
             if rec.state is ChunkState.FREE:
                 raise StateError(f"chunk {key} holds no data yet; initialize it first")
-            if tier in rec.valid:
+            if rec.has(tier):
                 return None
             if tier in rec.incoming:
                 return rec.incoming[tier][1]
@@ -164,7 +172,7 @@ class ChunkStore:
         """
         with self.lock:
             rec = self.records.get(key)
-            if rec is None or rec.state is ChunkState.FREE or tier in rec.valid:
+            if rec is None or rec.state is ChunkState.FREE or rec.has(tier):
                 return None
             if soon:
                 self.policy.hint_soon(key)
@@ -211,7 +219,7 @@ class ChunkStore:
                     self.ensure(key, tier)
                 with self.lock:
                     rec = self._rec(key)
-                    if overwrite and tier not in rec.valid:
+                    if overwrite and not rec.has(tier):
                         self._settle(rec)
                         buf = self._allocate(tier, rec)
                         if tier in rec.buffers:          # someone brought it here while we made room
@@ -248,7 +256,7 @@ class ChunkStore:
             rec.pin_threads[me] -= 1
             if rec.pin_threads[me] <= 0:
                 del rec.pin_threads[me]
-            if not +rec.pins:
+            if not any(rec.pins.values()):
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
             self.released.notify_all()
@@ -279,7 +287,7 @@ class ChunkStore:
                 return
             if rec.pins[tier]:
                 raise StateError(f"chunk {key} is in COMPUTE on {tier!r} and cannot be evicted")
-            if rec.valid == {tier} and tier == self.order[-1]:
+            if rec.only_on(tier) and tier == self.order[-1]:
                 raise StateError(f"chunk {key}: {tier!r} holds its only copy and there is no tier below "
                                  "to write it to (set nvme_paths)")
             self._evict(rec, tier)
@@ -343,7 +351,7 @@ class ChunkStore:
                 by_kind: Counter = Counter()
                 counts: Counter = Counter()
                 for rec in self.records.values():
-                    if name in rec.valid:
+                    if rec.has(name):
                         by_kind[rec.key[0]] += rec.nbytes
                         counts[rec.key[0]] += 1
                 info["bytes_by_kind"] = dict(by_kind)
@@ -413,7 +421,7 @@ class ChunkStore:
             buf = self._allocate(dst, rec)
             # Making room may have waited (lock released): another thread may have moved or
             # written this chunk meanwhile. Then this move is moot; the caller fetches again.
-            if dst in rec.incoming or dst in rec.valid or src not in rec.valid:
+            if dst in rec.incoming or rec.has(dst) or not rec.has(src):
                 self.tiers[dst].free(buf)
                 return rec.incoming[dst][1] if dst in rec.incoming else Move(src, dst, 0, None)
             version = rec.version
@@ -471,7 +479,7 @@ class ChunkStore:
                 or rec.busy:
             return False
         # The last current copy may only leave if there is a tier below to write it to.
-        return len(rec.valid) > 1 or self.order.index(tier) < len(self.order) - 1
+        return not rec.only_on(tier) or self.order.index(tier) < len(self.order) - 1
 
     def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
         """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
@@ -524,11 +532,11 @@ class ChunkStore:
                 self._settle(rec)
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
-        if rec.valid == {tier}:
+        if rec.only_on(tier):
             below = self.order[self.order.index(tier) + 1]
             self._start_move(rec, tier, below).wait()
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
-        if tier not in rec.buffers or rec.pins[tier] or rec.valid == {tier}:
+        if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
             return
         self._drop_copy(rec, tier)
 

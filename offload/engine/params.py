@@ -147,7 +147,7 @@ class ChunkedParams:
         re-pins it. They go (``detach``) when the store frees that device buffer.
         """
         if self.pins[c] == 0:
-            hit = "device" in self.store.records[("param", c)].valid
+            hit = self.store.records[("param", c)].has("device")
             if self.tracer is not None:
                 with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
                     view = self.store.access(("param", c), "device")

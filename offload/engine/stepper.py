@@ -121,7 +121,7 @@ class ChunkAdam:
     def _tier(self, key) -> str:
         """Where the update reads and writes ``key``: the CPU tier, or — when the compute device is
         the CPU itself — the device tier if the chunk is already there (both are host memory)."""
-        if self.engine.device.type == "cpu" and "device" in self.store.records[key].valid:
+        if self.engine.device.type == "cpu" and self.store.records[key].has("device"):
             return "device"
         return "cpu"
 
