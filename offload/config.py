@@ -149,11 +149,6 @@ class OffloadConfig:
         if not isinstance(self.aio, AioConfig):
             raise ConfigError("aio", self.aio, "expected an offload.AioConfig or a dict of its fields")
 
-    @property
-    def element_size(self) -> int:
-        """Bytes per compute-precision element."""
-        return 4 if self.dtype == "fp32" else 2
-
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -85,9 +85,6 @@ class ChunkLayout:
         self.chunk_size = chunk_size
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
         self.num_chunks = (max(s.chunk for s in slots) + 1) if slots else 0
-        self._by_chunk: list[list[ParamSlot]] = [[] for _ in range(self.num_chunks)]
-        for s in self.slots:
-            self._by_chunk[s.chunk].append(s)
         self._by_name = {s.name: s for s in self.slots}
 
     @classmethod
@@ -118,14 +115,6 @@ class ChunkLayout:
 
     def slot(self, name: str) -> ParamSlot:
         return self._by_name[name]
-
-    def params_in(self, chunk: int) -> list[ParamSlot]:
-        return list(self._by_chunk[chunk])
-
-    def used_elements(self, chunk: int) -> int:
-        """Elements up to the end of the chunk's last parameter (the rest is padding)."""
-        slots = self._by_chunk[chunk]
-        return slots[-1].end if slots else 0
 
     @property
     def total_params(self) -> int:

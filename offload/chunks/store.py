@@ -261,14 +261,6 @@ class ChunkStore:
                 self._set_state(rec, ChunkState.HOLD)
             self.released.notify_all()
 
-    def mark_dirty(self, key: ChunkKey, tier: str) -> None:
-        """The copy on ``tier`` (pinned by the caller) was written: every other copy is stale."""
-        with self.lock:
-            rec = self._rec(key)
-            if rec.pins[tier] <= 0:
-                raise StateError(f"chunk {key} must be pinned on {tier!r} to be written")
-            self._modified(rec, tier)
-
     def view(self, key: ChunkKey, tier: str) -> torch.Tensor | None:
         """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
         with self.lock:
@@ -317,9 +309,8 @@ class ChunkStore:
             return typed
 
     def staging_bytes(self, key: ChunkKey) -> int:
-        """Bytes a ``read_into`` buffer for ``key`` needs (its NVMe slot may be rounded up)."""
-        rec = self._rec(key)
-        return max(rec.nbytes, rec.slot.nbytes if rec.slot is not None else 0)
+        """Bytes a ``read_into`` buffer for ``key`` needs (its chunk's size; NVMe slots hold exactly that)."""
+        return self._rec(key).nbytes
 
     def write(self, key: ChunkKey, data: torch.Tensor) -> None:
         """Overwrite a chunk's contents from a tensor (``numel`` elements) wherever it is best held."""
@@ -524,12 +515,6 @@ class ChunkStore:
             if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
                 return None
             return self._start_move(rec, low, "nvme")
-
-    def settle_all(self) -> None:
-        """Wait for every move in flight (e.g. write-backs started ahead) and book them."""
-        with self.lock:
-            for rec in self.records.values():
-                self._settle(rec)
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.only_on(tier):

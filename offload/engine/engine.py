@@ -176,6 +176,7 @@ class OffloadEngine:
         self.pin_sets: dict[nn.Module, list[nn.Parameter]] = {}
         self.module_chunks: dict[nn.Module, list[int]] = {}
         self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
+        self.grad_counts: dict[nn.Module, int] = {}      # trainable parameters a module owns
         self.param_modules: dict[int, list[nn.Module]] = defaultdict(list)
         self.discovering: set[nn.Module] = set()
         self.called_within: dict[nn.Module, set[nn.Module]] = defaultdict(set)
@@ -194,6 +195,7 @@ class OffloadEngine:
                     pin_set = list(dict.fromkeys(own + below))
                     self.discovering.add(module)
             self.module_params[module] = own
+            self.grad_counts[module] = sum(p.requires_grad for p in own)
             self._set_pin_set(module, pin_set)
             for p in own:
                 self.param_modules[id(p)].append(module)
@@ -246,7 +248,8 @@ class OffloadEngine:
             self.params.pin(c)
         if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
-            self.bwd_remaining.setdefault(module, self._grad_count(module))
+            if module not in self.bwd_remaining:
+                self.bwd_remaining[module] = self.grad_counts[module]
             return
         for outer in self.active:
             if outer in self.discovering:
@@ -309,16 +312,14 @@ class OffloadEngine:
             self.store.prefetch(key, "device")
 
     # ---- backward ----------------------------------------------------------------------
-    def _grad_count(self, module: nn.Module) -> int:
-        return sum(p.requires_grad for p in self.module_params[module])
-
     def _pre_backward(self, module: nn.Module) -> None:
         if not self.in_backward:
             self._begin_backward()
         for c in self.module_chunks[module]:
             self.params.pin(c)
         self.bwd_pins[module] += 1
-        self.bwd_remaining.setdefault(module, self._grad_count(module))
+        if module not in self.bwd_remaining:
+            self.bwd_remaining[module] = self.grad_counts[module]
         self.bwd_started.setdefault(module, time.perf_counter())
 
     def _begin_backward(self) -> None:

@@ -89,8 +89,10 @@ class ChunkedParams:
         remaining = [len(m) for m in self.chunk_members]
         staging: dict[int, torch.Tensor] = {}
         done: set[int] = set()
-        order = [m for m in record.modules if any(m is x for x in model.modules())]
-        order += [m for m in model.modules() if not any(m is x for x in order)]
+        in_model = {id(m) for m in model.modules()}
+        order = [m for m in record.modules if id(m) in in_model]
+        recorded = {id(m) for m in order}
+        order += [m for m in model.modules() if id(m) not in recorded]
         rng = torch.random.get_rng_state()
         torch.random.set_rng_state(record.rng_state)
         try:

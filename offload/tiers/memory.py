@@ -70,12 +70,6 @@ class MemoryTier:
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
 
-    def trim(self) -> int:
-        """Hand every pooled buffer back to the system; returns the bytes released."""
-        released = self._pooled_bytes
-        self._shrink_pool(0)
-        return released
-
     def _shrink_pool(self, keep: int) -> None:
         # Release pooled buffers (largest first) until at most ``keep`` pooled bytes remain.
         for size in sorted(self._pooled, reverse=True):

@@ -36,10 +36,6 @@ class Move:
         self._io_done = wait is None
 
     @property
-    def finished(self) -> bool:
-        return self._finished
-
-    @property
     def synchronous(self) -> bool:
         return self._wait is None
 
