@@ -20,7 +20,8 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 EVICTIONS = ("next_use", "lru")
-MIN_CHUNK_ELEMENTS = 1024
+CHUNK_QUANTUM = 2048
+"""Chunk sizes are multiples of this many elements: whole 4 KiB blocks (O_DIRECT) at any dtype."""
 DIRECT_IO_ALIGNMENT = 4096
 
 
@@ -127,8 +128,8 @@ class OffloadConfig:
         _set(self, "cpu_budget", _budget(self.cpu_budget, "cpu_budget"))
         _set(self, "nvme_paths", _paths(self.nvme_paths))
         if self.chunk_size != "auto":
-            _int_in(self.chunk_size, "chunk_size", MIN_CHUNK_ELEMENTS)
-            if self.chunk_size % 2048:
+            _int_in(self.chunk_size, "chunk_size", CHUNK_QUANTUM)
+            if self.chunk_size % CHUNK_QUANTUM:
                 raise ConfigError("chunk_size", self.chunk_size,
                                   "must be a multiple of 2048 elements (4 KiB alignment for O_DIRECT "
                                   "at every dtype), or 'auto'")

@@ -51,14 +51,13 @@ import math
 from pathlib import Path
 from typing import Any, Union
 
-from .config import AioConfig, OffloadConfig, read_json_object
+from .config import CHUNK_QUANTUM, AioConfig, OffloadConfig, read_json_object
 from .errors import ConfigError
 
 logger = logging.getLogger("offload.config")
 
 __all__ = ["from_deepspeed", "deepspeed_optimizer_kwargs", "load_deepspeed_config"]
 
-_CHUNK_ALIGN = 2048
 # DeepSpeed's default sub_group_size (1e9 elements) means "one group for most models": no size asked.
 _SUB_GROUP_DEFAULT = 1_000_000_000
 _AUTO = "auto"
@@ -230,7 +229,7 @@ def _nvme_path(section: dict, path: str) -> str:
 
 
 def _chunk_from_elements(n: int) -> int:
-    return max(_CHUNK_ALIGN, n // _CHUNK_ALIGN * _CHUNK_ALIGN)
+    return max(CHUNK_QUANTUM, n // CHUNK_QUANTUM * CHUNK_QUANTUM)
 
 
 # ---- the mapping ------------------------------------------------------------------------------

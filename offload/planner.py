@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
-from .chunks.layout import CHUNK_QUANTUM, DEFAULT_MAX_CHUNK, PARAM_ALIGN, _pack, search_chunk_size
+from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, _pack, auto_max_chunk, search_chunk_size
 from .errors import ConfigError
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count, param_count
 from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
@@ -61,9 +61,6 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STATE_KINDS = ("params", "master", "exp_avg", "exp_avg_sq", "grads")
 """The CPU tier's priority order (gradients only stay there whole when the step is deferred)."""
 
-# offload/engine/engine.py: "auto" chunk sizes fit this many fp32 chunks in each budget
-CHUNKS_PER_DEVICE_BUDGET = 8
-CHUNKS_PER_CPU_BUDGET = 12
 CPU_WORKING_SETS = 2
 """Chunk sets (one chunk of every kind) the CPU tier keeps free for Adam: the chunk being updated
 and the next one being prefetched."""
@@ -247,9 +244,7 @@ def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
     """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
     numels = param_numels(cfg)
     if chunk_size is None:
-        max_chunk = max(CHUNK_QUANTUM, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
-                                           cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
-        chunk_size = search_chunk_size(numels, max_chunk=max_chunk)
+        chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget))
     elif chunk_size < max(numels):
         raise ConfigError("chunk_size", chunk_size,
                           f"the largest parameter has {max(numels)} elements and must fit in one chunk")

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
+from ..config import CHUNK_QUANTUM
 from ..errors import ConfigError
 
-CHUNK_QUANTUM = 2048          # elements: 4 KiB at 2 bytes, 8 KiB at 4 bytes
 PARAM_ALIGN = 64              # elements: each parameter starts on a 128-byte (bf16) boundary
 DEFAULT_MAX_CHUNK = 1 << 25   # 32 Mi elements = 64 MiB in bf16, PatrickStar's chunk size
 AUTO_CANDIDATES = 256         # sizes the "auto" search tries
@@ -58,6 +58,19 @@ def wasted_elements(numels: Sequence[int], chunk_size: int, align: int = PARAM_A
         return 0
     chunks = _pack(numels, chunk_size, align)[-1][0] + 1
     return chunks * chunk_size - sum(numels)
+
+
+# "Auto" chunk sizes are capped so that this many fp32 chunks fit in each budget: the device tier
+# holds a few parameter chunks plus the fp32 gradient chunks being filled, the CPU tier one
+# chunk's gradient, master, exp_avg, exp_avg_sq and parameters plus prefetches.
+CHUNKS_PER_DEVICE_BUDGET = 8
+CHUNKS_PER_CPU_BUDGET = 12
+
+
+def auto_max_chunk(device_budget: int, cpu_budget: int) -> int:
+    """The largest chunk (elements) the "auto" search may pick for these budgets (bytes)."""
+    return max(CHUNK_QUANTUM, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
+                                  cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
 
 
 def search_chunk_size(numels: Sequence[int], *, max_chunk: int = DEFAULT_MAX_CHUNK,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..chunks import ChunkLayout, ChunkStore
-from ..chunks.layout import DEFAULT_MAX_CHUNK
+from ..chunks.layout import auto_max_chunk
 from ..config import OffloadConfig
 from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
@@ -35,11 +35,6 @@ from .params import DTYPES, ChunkedParams
 from .saved import SavedParameterViews
 from .stepper import ChunkAdam, LossScaler, ScaleGrad, hyper_of
 
-# The device tier must hold a few parameter chunks plus the fp32 gradient chunks being filled,
-# and the CPU tier one chunk's grad, master, exp_avg, exp_avg_sq and parameters plus prefetches:
-# "auto" chunk sizes are capped so that this many fp32 chunks fit in each budget.
-CHUNKS_PER_DEVICE_BUDGET = 8
-CHUNKS_PER_CPU_BUDGET = 12
 
 
 class OffloadEngine:
@@ -60,10 +55,9 @@ class OffloadEngine:
         for name, p in named:
             if not p.is_floating_point():
                 raise ConfigError("model", name, f"parameter dtype {p.dtype} is not floating point")
-        max_chunk = max(2048, min(DEFAULT_MAX_CHUNK, device_budget // (4 * CHUNKS_PER_DEVICE_BUDGET),
-                                  cpu_budget // (4 * CHUNKS_PER_CPU_BUDGET)))
         shapes = [(n, self._shapes.get(id(p), p.shape)) for n, p in named]
-        self.layout = ChunkLayout.build(shapes, config.chunk_size, max_chunk=max_chunk)
+        self.layout = ChunkLayout.build(shapes, config.chunk_size,
+                                        max_chunk=auto_max_chunk(device_budget, cpu_budget))
         self._check_budgets(device_budget, cpu_budget)
         # The engine moves the next-use clock itself (its prefetcher follows the trace).
         self.policy = make_policy(config.eviction, auto_advance=False)

@@ -40,13 +40,10 @@ def test_100b_state_is_every_chunk_of_every_kind():
 
 def test_chunk_geometry_matches_the_engine():
     """Same chunk size and count as ``OffloadEngine`` builds for the same budgets."""
-    from offload.chunks.layout import ChunkLayout
-    from offload.engine import engine
+    from offload.chunks.layout import DEFAULT_MAX_CHUNK, ChunkLayout, auto_max_chunk
     from offload.models.llama import LlamaForCausalLM
-    from offload.planner import CHUNKS_PER_CPU_BUDGET, CHUNKS_PER_DEVICE_BUDGET, chunk_geometry, param_numels
+    from offload.planner import chunk_geometry, param_numels
 
-    assert (CHUNKS_PER_DEVICE_BUDGET, CHUNKS_PER_CPU_BUDGET) == (engine.CHUNKS_PER_DEVICE_BUDGET,
-                                                              engine.CHUNKS_PER_CPU_BUDGET)
     cfg = PRESETS["tiny"]
     import torch
     with torch.device("meta"):
@@ -54,7 +51,8 @@ def test_chunk_geometry_matches_the_engine():
     numels = [p.numel() for _, p in model.named_parameters()]
     assert numels == param_numels(cfg)
     for dev, cpu in ((6 << 20, 8 << 20), (32 << 20, 48 << 20), (1 << 30, 1 << 30)):
-        max_chunk = max(2048, min(engine.DEFAULT_MAX_CHUNK, dev // 32, cpu // 48))
+        max_chunk = max(2048, min(DEFAULT_MAX_CHUNK, dev // 32, cpu // 48))
+        assert max_chunk == auto_max_chunk(dev, cpu)      # the rule the engine and planner share
         layout = ChunkLayout.build([(n, p.shape) for n, p in model.named_parameters()], max_chunk=max_chunk)
         assert chunk_geometry(cfg, dev, cpu) == (layout.chunk_size, layout.num_chunks)
 
