@@ -52,11 +52,6 @@ static void pool_after_fork(void)
 
 static void pool_init_once(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
 
-struct worker_start {
-    int index;
-    unsigned long gen;
-};
-
 static void *worker_main(void *p)
 {
     int index = (int)((intptr_t)p >> 32);

@@ -6,6 +6,7 @@ for tests and never raise it), and turns ``-errno`` returns into exceptions.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 
@@ -40,13 +41,19 @@ def physical_cores() -> int:
     return max(1, min(physical, allowed))
 
 
-def _apply_simd(lib, name: str, field: str) -> None:
+def check_simd_name(name: str, field: str, available: list[str]) -> int:
+    """The index of SIMD level ``name``; ConfigError naming ``field`` when unknown or not in
+    ``available`` (the levels this CPU runs)."""
     if name not in SIMD_LEVELS:
         raise ConfigError(field, name, f"must be one of {', '.join(SIMD_LEVELS)}")
-    rc = lib.off_simd_set_level(SIMD_LEVELS.index(name))
-    if rc < 0:
-        best = SIMD_LEVELS[lib.off_simd_supported()]
-        raise ConfigError(field, name, f"this CPU supports at most {best!r}")
+    if name not in available:
+        raise ConfigError(field, name, f"this CPU supports at most {available[-1]!r}")
+    return SIMD_LEVELS.index(name)
+
+
+def _apply_simd(lib, name: str, field: str) -> None:
+    available = list(SIMD_LEVELS[: lib.off_simd_supported() + 1])
+    check(lib.off_simd_set_level(check_simd_name(name, field, available)), "off_simd_set_level")
 
 
 def check(rc: int, what: str) -> int:
@@ -140,20 +147,11 @@ def buffer_lock(address: int, nbytes: int) -> int:
     return int(lib.off_buffer_lock(ffi.cast("void *", address), nbytes))
 
 
-def buffer_unlock(address: int, nbytes: int) -> int:
-    ffi, lib = load()
-    return int(lib.off_buffer_unlock(ffi.cast("void *", address), nbytes))
-
-
 def crc32c(address: int, nbytes: int, crc: int = 0, *, portable: bool = False) -> int:
     """CRC32C of ``nbytes`` bytes at ``address``, continuing from ``crc`` (SSE4.2 unless ``portable``)."""
     ffi, lib = load()
     fn = lib.off_crc32c_portable if portable else lib.off_crc32c
     return int(fn(crc, ffi.cast("void *", address), nbytes))
-
-
-def crc32c_hw() -> bool:
-    return bool(load()[1].off_crc32c_hw())
 
 
 def pio(fd: int, op: int, address: int, length: int, offset: int) -> int:
@@ -187,7 +185,7 @@ class AioContext:
             from .errors import NvmeIOError
 
             raise NvmeIOError(-rc, "<aio context>", 0, 0,
-                              f"io_setup({depth}) failed" + (" (built without libaio)" if rc == -38 else
+                              f"io_setup({depth}) failed" + (" (built without libaio)" if rc == -errno.ENOSYS else
                                                              "; see /proc/sys/fs/aio-max-nr"))
         self._ffi, self._lib, self._ctx, self.depth = ffi, lib, out[0], depth
         self._done = ffi.new("off_io_done[]", self.REAP_BATCH)

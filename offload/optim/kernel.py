@@ -61,10 +61,7 @@ def resolve_simd(simd) -> str | None:
     """``None`` -> the level in use; a name must be one this CPU runs."""
     if simd is None:
         return None
-    if simd not in native.SIMD_LEVELS:
-        raise ConfigError("simd", simd, f"must be one of {', '.join(native.SIMD_LEVELS)}")
-    if simd not in native.simd_available():
-        raise ConfigError("simd", simd, f"this CPU supports at most {native.simd_supported()!r}")
+    native.check_simd_name(simd, "simd", native.simd_available())
     return simd
 
 
