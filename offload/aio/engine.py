@@ -187,36 +187,45 @@ class AsyncIO:
             segments = [(name, offset, offset, nbytes)]
             create = op == native.IO_WRITE
         handle = Handle("write" if op == native.IO_WRITE else "read", name, offset, nbytes, tensor)
+        if nbytes == 0:
+            with self._lock:
+                if self._closed:
+                    raise native.io_error(errno.EBADF, name, offset, nbytes, "this AsyncIO is closed")
+            return handle
+        address = tensor.data_ptr()
+        bs = self.config.block_size
+        # Block-sized pieces: (member, member offset, logical offset, length). Their checksums are
+        # computed here, before the engine's lock, so other threads' I/O does not wait on them.
+        spans = []
+        for member, moff, loff, n in segments:
+            pos, end = loff, loff + n
+            while pos < end:
+                stop = min((pos // bs + 1) * bs, end)
+                spans.append((member, moff + (pos - loff), pos, stop - pos))
+                pos = stop
+        crcs = None
+        if self._crc is not None and op == native.IO_WRITE:
+            crcs = [native.crc32c(address + (pos - offset), n) for _, _, pos, n in spans]
         with self._lock:
             if self._closed:
                 raise native.io_error(errno.EBADF, name, offset, nbytes, "this AsyncIO is closed")
-            if nbytes == 0:
-                return handle
-            address = tensor.data_ptr()
             file_key = _file_key(path)
-            bs = self.config.block_size
             direct_pieces: list[Piece] = []
             thread_pieces: list[Piece] = []
             opened: dict[str, tuple[int, bool]] = {}     # a striped request visits each member often
-            for member, moff, loff, n in segments:
+            for i, (member, moff, pos, n) in enumerate(spans):
                 if member not in opened:
                     opened[member] = self._open(member, create, moff, n, address, offset, nbytes)
                 fd, direct = opened[member]
-                out = direct_pieces if direct else thread_pieces
-                pos, end = loff, loff + n
-                while pos < end:
-                    block = pos // bs
-                    stop = min((block + 1) * bs, end)
-                    piece = Piece(handle, fd, op, address + (pos - offset), moff + (pos - loff), stop - pos, member)
-                    if self._crc is not None:
-                        piece.store = self._crc
-                        piece.crc_key = CrcStore.key(file_key, block, pos, stop - pos)
-                        if op == native.IO_WRITE:
-                            piece.crc_new = native.crc32c(piece.address, piece.length)
-                        else:
-                            piece.crc_expect = self._crc.expected(piece.crc_key)
-                    out.append(piece)
-                    pos = stop
+                piece = Piece(handle, fd, op, address + (pos - offset), moff, n, member)
+                if self._crc is not None:
+                    piece.store = self._crc
+                    piece.crc_key = CrcStore.key(file_key, pos // bs, pos, n)
+                    if crcs is not None:
+                        piece.crc_new = crcs[i]
+                    else:
+                        piece.crc_expect = self._crc.expected(piece.crc_key)
+                (direct_pieces if direct else thread_pieces).append(piece)
             handle._expect(len(direct_pieces) + len(thread_pieces))
             if direct_pieces:
                 self._libaio.submit(direct_pieces)
