@@ -19,9 +19,9 @@ decimal (1 GB/s = 1e9 bytes/s).
   RAM. ``cpu_budget``: chunks of every kind in RAM; NVMe I/O goes straight into them (no staging).
   Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
   CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
-* Minimums: the device must hold ~6 chunks at once (the tied embedding's chunk, a layer's parameter
-  chunks and the fp32 gradient chunks being filled): 6 x 4 B x chunk; the CPU one chunk of each
-  kind for the optimizer (18 B x chunk in bf16).
+* Minimums: the engine's own (``tiers.budgets.min_device_bytes`` / ``min_cpu_bytes``): the device
+  holds 3 parameter and 3 fp32 gradient chunks at once (the tied embedding's and a module's that
+  may straddle two), the CPU one chunk of each kind for the optimizer (18 B x chunk in bf16).
 * Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
   (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
   updates and the next one's prefetch), parameters first (read every step), then master,
