@@ -116,6 +116,10 @@ class OffloadConfig:
     """Eviction policy: "next_use" (Belady, from the trace) or "lru"."""
     pin_memory: bool = True
     """Page-lock the CPU tier when computing on CUDA (fast asynchronous copies)."""
+    merge_host_tiers: bool = True
+    """Computing on the CPU, hold the device and CPU budgets as one host-memory tier (nothing is
+    copied between them or held twice). False keeps two tiers with copies between them, the way a
+    GPU run moves data: for exercising those paths on a machine without a GPU."""
     initial_loss_scale: float = 2.0**16
     """fp16 only: the first dynamic loss scale."""
     loss_scale_window: int = 1000
@@ -137,7 +141,7 @@ class OffloadConfig:
         if self.optimizer_threads != "auto":
             _int_in(self.optimizer_threads, "optimizer_threads", 1, 1024)
         _int_in(self.gradient_accumulation_steps, "gradient_accumulation_steps", 1, 1 << 20)
-        for flag in ("overlap_optimizer", "pin_memory"):
+        for flag in ("overlap_optimizer", "pin_memory", "merge_host_tiers"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, getattr(self, flag), "expected true or false")
         _choice(self.eviction, "eviction", EVICTIONS)

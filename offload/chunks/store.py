@@ -70,7 +70,8 @@ class ChunkRecord:
 class ChunkStore:
     """Chunks of several kinds over an ordered list of tiers (top = compute device)."""
 
-    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None):
+    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None, *,
+                 aliases: dict[str, str] | None = None):
         if not tiers:
             raise ConfigError("tiers", tiers, "at least one tier is needed")
         self.tiers = {t.name: t for t in tiers}
@@ -78,6 +79,12 @@ class ChunkStore:
         if "nvme" in self.tiers and self.order[-1] != "nvme":
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
+        # Other names callers may use for a tier: with no GPU, the engine's "device" and "cpu"
+        # are one tier of host memory (see OffloadEngine).
+        self.aliases = dict(aliases or {})
+        for alias, name in self.aliases.items():
+            if name not in self.tiers or alias in self.tiers:
+                raise ConfigError("aliases", f"{alias}->{name}", f"must name one of the tiers {self.order}")
         self.lock = threading.RLock()
         self.released = threading.Condition(self.lock)   # notified whenever a pin goes
         self.tracer = None      # an offload.tracer.Tracer: every move becomes a span on its own track
@@ -91,6 +98,9 @@ class ChunkStore:
         # Chunks that an operation in progress is moving: making room for one move (which may
         # cascade into write-backs further down) must not evict the source of another.
         self._protected: Counter = Counter()
+        # Asynchronous moves not yet finished: a chunk stays busy (not evictable) until its move
+        # is finished, so room-making finishes the ones whose I/O is already done (``_reap``).
+        self._in_flight: set[Move] = set()
 
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
@@ -107,6 +117,10 @@ class ChunkStore:
                 self.records[key] = ChunkRecord(key, numel, dtype, nbytes, slot=slot)
             return keys
 
+    def tier_name(self, tier: str) -> str:
+        """The tier ``tier`` names (itself, or the tier it is an alias of)."""
+        return self.aliases.get(tier, tier)
+
     def _rec(self, key: ChunkKey) -> ChunkRecord:
         try:
             return self.records[key]
@@ -119,6 +133,7 @@ class ChunkStore:
     # ---- life cycle -------------------------------------------------------
     def initialize(self, key: ChunkKey, tier: str, fill: Callable[[torch.Tensor], None] | None = None) -> None:
         """Give a FREE chunk storage on a memory ``tier``: zeros, or whatever ``fill(view)`` writes."""
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self._rec(key)
             if rec.state is not ChunkState.FREE:
@@ -150,6 +165,7 @@ class ChunkStore:
 
         Asynchronous: call again after the returned move finishes to take the next hop.
         """
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self._rec(key)
             if rec.state is ChunkState.FREE:
@@ -170,12 +186,15 @@ class ChunkStore:
         show it (the optimizer's next chunk): it then outranks everything not needed right now.
         Never waits and never raises for lack of room: a prefetch that cannot go now is skipped.
         """
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self.records.get(key)
-            if rec is None or rec.state is ChunkState.FREE or rec.has(tier):
+            if rec is None or rec.state is ChunkState.FREE:
                 return None
-            if soon:
+            if soon:        # also when already here: it must stay until used
                 self.policy.hint_soon(key)
+            if rec.has(tier):
+                return None
             if tier in rec.incoming:
                 return rec.incoming[tier][1]
             src, dst = self._next_hop(rec, tier)
@@ -193,6 +212,7 @@ class ChunkStore:
         The I/O is waited for outside the store's lock (when the caller does not hold it), so
         other threads keep fetching and evicting meanwhile.
         """
+        tier = self.aliases.get(tier, tier)
         while True:
             with self.lock:
                 move = self.fetch(key, tier)
@@ -208,6 +228,7 @@ class ChunkStore:
         ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
+        tier = self.aliases.get(tier, tier)
         self._memory_tier(tier)
         # While this thread brings the chunk up hop by hop (waiting outside the lock), no other
         # thread's eviction may take it back down: that is how two threads thrash a small tier.
@@ -245,6 +266,7 @@ class ChunkStore:
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self._rec(key)
             if rec.pins[tier] <= 0:
@@ -263,6 +285,7 @@ class ChunkStore:
 
     def view(self, key: ChunkKey, tier: str) -> torch.Tensor | None:
         """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self._rec(key)
             buf = rec.buffers.get(tier)
@@ -270,6 +293,7 @@ class ChunkStore:
 
     def evict(self, key: ChunkKey, tier: str) -> None:
         """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
+        tier = self.aliases.get(tier, tier)
         with self.lock:
             rec = self._rec(key)
             if tier == "nvme":
@@ -424,6 +448,7 @@ class ChunkStore:
         started = time.perf_counter()
 
         def done() -> None:
+            self._in_flight.discard(move)
             rec.incoming.pop(dst, None)
             self.moved[(src, dst)] += rec.nbytes
             if self.tracer is not None:
@@ -440,6 +465,7 @@ class ChunkStore:
                 self._add_copy(rec, dst, buf)
 
         def failed() -> None:
+            self._in_flight.discard(move)
             rec.incoming.pop(dst, None)
             if buf is not None:
                 self.tiers[dst].free(buf)
@@ -448,7 +474,14 @@ class ChunkStore:
         rec.incoming[dst] = (buf, move)
         if move.synchronous:   # a CPU copy already done: settle it now
             move.finish()
+        else:
+            self._in_flight.add(move)
         return move
+
+    def _reap(self) -> None:
+        """Finish every move whose I/O is already done (their chunks become evictable)."""
+        for move in [m for m in self._in_flight if m.io_ready()]:
+            move.finish()
 
     def _settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
@@ -476,6 +509,8 @@ class ChunkStore:
         """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
         policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
         t = self.tiers[tier]
+        if not t.can_allocate(nbytes):
+            self._reap()
         while not t.can_allocate(nbytes):
             candidates = [k for k in self.resident[tier] if self._evictable(self.records[k], tier, exclude)]
             if later_than is not None:

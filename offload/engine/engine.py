@@ -61,12 +61,22 @@ class OffloadEngine:
         self._check_budgets(device_budget, cpu_budget)
         # The engine moves the next-use clock itself (its prefetcher follows the trace).
         self.policy = make_policy(config.eviction, auto_advance=False)
-        tiers = [MemoryTier("device", device_budget, self.device),
-                 MemoryTier("cpu", cpu_budget, "cpu", aligned=config.nvme_paths is not None,
-                            pin=self.device.type == "cuda" and config.pin_memory)]
+        self.device_budget = device_budget
+        aligned = config.nvme_paths is not None      # O_DIRECT reads and writes land in these buffers
+        if self.device.type == "cpu" and config.merge_host_tiers:
+            # Computing on the CPU, the device and CPU tiers would both be host memory: copying a
+            # chunk between them costs time and holds it twice. They are one tier of both budgets,
+            # still addressed as "device" where the engine means "where compute reads it".
+            tiers = [MemoryTier("cpu", device_budget + cpu_budget, "cpu", aligned=aligned)]
+            aliases = {"device": "cpu"}
+        else:
+            tiers = [MemoryTier("device", device_budget, self.device),
+                     MemoryTier("cpu", cpu_budget, "cpu", aligned=aligned,
+                                pin=self.device.type == "cuda" and config.pin_memory)]
+            aliases = None
         if config.nvme_paths is not None:
             tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
-        self.store = ChunkStore(tiers, self.policy)
+        self.store = ChunkStore(tiers, self.policy, aliases=aliases)
         self.store.tracer = self.tracer
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
@@ -177,7 +187,7 @@ class OffloadEngine:
         self.active: list[nn.Module] = []
         self.fwd_pinned: list[tuple[nn.Module, list[int]]] = []
         self._handles = []
-        budget_elems = self.store.tiers["device"].budget // (2 * self.params.dtype.itemsize)
+        budget_elems = self.device_budget // (2 * self.params.dtype.itemsize)
         for module in self.model.modules():
             own = self._own_params(module)
             if not own and module is not self.model:
@@ -383,6 +393,9 @@ class OffloadEngine:
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True
+            # Its update comes soon: start fetching the optimizer state, and keep the gradient
+            # (which the trace does not show) from being evicted to make room meanwhile.
+            self.adam.prefetch(c)
             self.ready.add(c)
             if self.params.pins[c] == 0:
                 self._submit(c)
@@ -510,6 +523,11 @@ class OffloadEngine:
             self.scaler.update(overflow)
         self.policy.hints.clear()
         self._finish_step_stats(applied)
+        if applied:
+            # The update consumed this window's gradients: the next backward starts from zero,
+            # whether or not zero_grad() is called (as with DeepSpeed's engine).
+            self._release_grads()
+            self._reset_window()
         self.window_applied = False
         self.micro_batches = 0
         self.updated_chunks = set()
@@ -519,11 +537,14 @@ class OffloadEngine:
         if self.in_backward and not self._autograd_running():
             self._abort_backward()
         self.adam.drain()
+        self._release_grads()
+        self._reset_window()
+
+    def _release_grads(self) -> None:
         for c in range(self.layout.num_chunks):
             rec = self.store.records[("grad", c)]
             if rec.state is not ChunkState.FREE:
                 self.store.release_storage(("grad", c))
-        self._reset_window()
 
     # ---- statistics --------------------------------------------------------------------------
     def _finish_step_stats(self, applied: bool) -> None:

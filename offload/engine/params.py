@@ -35,6 +35,7 @@ class ChunkedParams:
         self.dtype = compute_dtype
         self.device = device
         self.has_master = compute_dtype != torch.float32
+        self.tier = store.tier_name("device")     # where compute reads parameters
         self.params: list[nn.Parameter] = [p for _, p in named]
         self.refs: dict[int, ParamRef] = {}
         for i, (name, p) in enumerate(named):
@@ -149,7 +150,7 @@ class ChunkedParams:
         re-pins it. They go (``detach``) when the store frees that device buffer.
         """
         if self.pins[c] == 0:
-            hit = self.store.records[("param", c)].has("device")
+            hit = self.store.records[("param", c)].has(self.tier)
             if self.tracer is not None:
                 with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
                     view = self.store.access(("param", c), "device")
@@ -184,7 +185,7 @@ class ChunkedParams:
         self.pinned_buffers.pop(ptr, None)
 
     def on_store_free(self, key, tier: str) -> None:
-        if key[0] == "param" and tier == "device":
+        if key[0] == "param" and tier == self.tier:
             self.detach(key[1])
 
     def unpin_all(self) -> None:

@@ -115,15 +115,7 @@ class ChunkAdam:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
         kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
-            if self._tier((kind, c)) == "cpu":
-                self.store.prefetch((kind, c), "cpu", soon=True)
-
-    def _tier(self, key) -> str:
-        """Where the update reads and writes ``key``: the CPU tier, or — when the compute device is
-        the CPU itself — the device tier if the chunk is already there (both are host memory)."""
-        if self.engine.device.type == "cpu" and self.store.records[key].has("device"):
-            return "device"
-        return "cpu"
+            self.store.prefetch((kind, c), "cpu", soon=True)
 
     def update(self, c: int, runs, grad_scale: float) -> None:
         if not runs:
@@ -134,9 +126,8 @@ class ChunkAdam:
         pinned = []
 
         def take(key, dirty, overwrite=False):
-            tier = self._tier(key)
-            view = store.access(key, tier, overwrite=overwrite)
-            pinned.append((key, tier, dirty))
+            view = store.access(key, "cpu", overwrite=overwrite)
+            pinned.append((key, "cpu", dirty))
             return view
 
         try:
@@ -162,6 +153,9 @@ class ChunkAdam:
         finally:
             for key, tier, dirty in reversed(pinned):
                 store.release(key, tier, dirty=dirty)
+        # The update consumed the window's gradients (optimizer.step() does, as DeepSpeed's engine
+        # does): free their chunk now rather than let a tier write it down to make room.
+        store.release_storage(("grad", c))
         if self.engine.spills:
             # The state will not stay in memory until the next step: start writing it down now,
             # while the next chunk is updated, so that its eviction later costs nothing.

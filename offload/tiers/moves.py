@@ -21,13 +21,15 @@ class Move:
     both, for callers that already hold that lock.
     """
 
-    __slots__ = ("src", "dst", "nbytes", "_wait", "on_done", "on_fail", "_finished", "_error",
+    __slots__ = ("src", "dst", "nbytes", "_wait", "_poll", "on_done", "on_fail", "_finished", "_error",
                  "_io_lock", "_io_done")
 
     def __init__(self, src: str, dst: str, nbytes: int, wait: Callable[[], None] | None,
-                 on_done: Callable[[], None] | None = None, on_fail: Callable[[], None] | None = None):
+                 on_done: Callable[[], None] | None = None, on_fail: Callable[[], None] | None = None,
+                 poll: Callable[[], bool] | None = None):
         self.src, self.dst, self.nbytes = src, dst, nbytes
         self._wait = wait
+        self._poll = poll           # True once the bytes are in place (never blocks)
         self.on_done = on_done
         self.on_fail = on_fail
         self._finished = False
@@ -38,6 +40,10 @@ class Move:
     @property
     def synchronous(self) -> bool:
         return self._wait is None
+
+    def io_ready(self) -> bool:
+        """The bytes are in place (or the copy failed): ``finish()`` would not block."""
+        return self._io_done or (self._poll is not None and self._poll())
 
     def wait_io(self) -> None:
         if not self._io_done:

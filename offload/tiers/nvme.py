@@ -96,12 +96,12 @@ class NvmeTier:
     def write(self, slot: NvmeSlot, src: torch.Tensor, src_name: str = "cpu") -> Move:
         """Start writing the aligned host buffer ``src`` into ``slot``."""
         handle = self.aio.write_from(src, slot.file, slot.offset)
-        return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]))
+        return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu") -> Move:
         """Start reading ``slot`` into the aligned host buffer ``dst``."""
         handle = self.aio.read_into(dst, slot.file, slot.offset)
-        return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]))
+        return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def close(self, remove: bool = True) -> None:
         """Close the I/O engine and (by default) delete the swap files."""

@@ -72,7 +72,9 @@ def test_resume_is_bit_identical(disk_tmp, dtype):
     losses = train(model, opt, data, 3)
     with torch.no_grad():                    # an evaluation pass leaves parameter chunks on the device
         model(*next(batches(1, seed=9)))
-    assert tiers_holding(model) == {"device", "cpu", "nvme"}
+    # Every tier holds some chunk: the checkpoint reads from all of them (on a CPU-only machine
+    # the device and CPU tiers are one).
+    assert tiers_holding(model) == set(model.offload_engine.store.order)
     path = offload.save_checkpoint(model, opt, ckpt, step=3, extra={"data_position": 3})
     assert path == ckpt / "step-00000003" and (ckpt / "latest").read_text().strip() == path.name
     losses += train(model, opt, data, 3)

@@ -1,7 +1,9 @@
 """offload.wrap + offload.AdamW give the same training run as plain PyTorch + torch.optim.AdamW.
 
-Budgets are small enough that every chunk passes through all three tiers (device = a CPU
-region here, CPU, NVMe in a temp dir). Tolerances: fp32 within 1e-5 relative (losses and final
+Budgets are small enough that every chunk passes through every tier: on this CPU-only suite the
+device and CPU budgets are one host-memory tier (the default) plus NVMe in a temp dir, and with
+``merge_host_tiers=False`` three tiers (a CPU region standing in for the device, CPU, NVMe) with
+the copies between them a GPU run makes. Tolerances: fp32 within 1e-5 relative (losses and final
 parameters); bf16 against a plain-PyTorch mixed-precision reference (bf16 compute copy, fp32
 master weights, torch AdamW) within 2e-2 relative on the loss, and against fp32 training within
 5e-2 (bf16's own tolerance); fp16 with loss scaling against fp32 within 3e-2.
@@ -88,13 +90,18 @@ def assert_all_tiers_used(model):
     assert report["tiers"]["nvme"]["bytes_by_kind"], "nothing reached NVMe"
     stats = model.offload_stats()
     assert stats["step"] > 0
+    if len(model.offload_engine.store.order) == 3:      # separate device and CPU tiers
+        moved = stats["moved_bytes"]
+        assert moved.get("cpu->device") and moved.get("device->cpu"), moved
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_fp32_matches_torch(disk_tmp, overlap):
+@pytest.mark.parametrize("merged", [True, False], ids=["host-tier", "three-tiers"])
+def test_fp32_matches_torch(disk_tmp, overlap, merged):
     ref, mine = make_models()
     want = run_reference(ref, 20)
-    model, _, got = run_offload(mine, small_config(disk_tmp, overlap_optimizer=overlap), 20)
+    cfg = small_config(disk_tmp, overlap_optimizer=overlap, merge_host_tiers=merged)
+    model, _, got = run_offload(mine, cfg, 20)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
     assert_all_tiers_used(model)
@@ -154,13 +161,14 @@ class MixedReference:
         return loss.item()
 
 
-def test_bf16_matches_mixed_precision_reference(disk_tmp):
+@pytest.mark.parametrize("merged", [True, False], ids=["host-tier", "three-tiers"])
+def test_bf16_matches_mixed_precision_reference(disk_tmp, merged):
     ref32, mine = make_models()
     mixed_master = copy.deepcopy(ref32)
     want32 = run_reference(ref32, 20)
     mixed = MixedReference(mixed_master, torch.bfloat16)
     want_mixed = [mixed.step(x, y) for x, y in batches(20)]
-    model, _, got = run_offload(mine, small_config(disk_tmp, dtype="bf16"), 20)
+    model, _, got = run_offload(mine, small_config(disk_tmp, dtype="bf16", merge_host_tiers=merged), 20)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want_mixed), rtol=2e-2, atol=0)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want32), rtol=5e-2, atol=0)
     assert_params_close(model, mixed_master, rtol=0, atol=2e-2)
@@ -252,3 +260,27 @@ def test_optimizer_state_dict_interchangeable_with_torch(disk_tmp):
     assert abs(l_ref.item() - l_mine.item()) <= 1e-6 * abs(l_ref.item())
     assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
     model.offload_engine.close()
+
+
+def test_step_consumes_gradients(disk_tmp):
+    """optimizer.step() consumes the window's gradients (their chunks are freed as each update
+    finishes, as DeepSpeed's engine does): leaving out zero_grad() changes nothing."""
+    _, a = make_models()
+    _, b = make_models()
+    ma = offload.wrap(a, small_config(disk_tmp / "a"))
+    mb = offload.wrap(b, small_config(disk_tmp / "b"))
+    oa = offload.AdamW(ma.parameters(), lr=LR, weight_decay=WD)
+    ob = offload.AdamW(mb.parameters(), lr=LR, weight_decay=WD)
+    for x, y in batches(4):
+        for model, opt, zero in ((ma, oa, True), (mb, ob, False)):
+            model(x, y).backward()
+            opt.step()
+            engine = model.offload_engine
+            assert all(engine.store.records[("grad", c)].state.name == "FREE"
+                       for c in range(engine.layout.num_chunks))
+            if zero:
+                opt.zero_grad()
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    for m in (ma, mb):
+        m.offload_engine.close()

@@ -36,7 +36,7 @@ def test_hf_llama_fp32_matches_torch(disk_tmp):
     ref.train()
     mine.train()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="768KiB",
+    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="320KiB",
                                 nvme_paths=[str(disk_tmp)], chunk_size=16384)
     model = offload.wrap(mine, cfg)
     opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)

@@ -72,9 +72,10 @@ BUILD = textwrap.dedent("""
     print(json.dumps({"base": base, "peak": max(peak, hwm), "state": state}))
 """)
 
-# Beyond the two budgets: one or two partly filled fp32 staging chunks, the module being
-# initialized, the engine's bookkeeping and allocator slack (measured ~38 MiB here).
-LAZY_OVERHEAD = 48 << 20
+# Beyond the two budgets (on the CPU one host-memory tier, filled first): one or two partly
+# filled fp32 staging chunks, the module being initialized, the engine's bookkeeping and
+# allocator slack (measured 46-58 MiB here; the state is 363 MB, so RSS does not follow it).
+LAZY_OVERHEAD = 64 << 20
 
 
 def test_lazy_build_streams_within_budget(disk_tmp):

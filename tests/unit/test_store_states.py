@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from offload import AioConfig, StateError, TierFullError
+from offload import AioConfig, ConfigError, StateError, TierFullError
 from offload.chunks import ChunkState, ChunkStore
 from offload.chunks.states import CHUNK_TRANSITIONS, TENSOR_TRANSITIONS, TensorState, check_transition
 from offload.scheduler import LRUPolicy
@@ -203,3 +203,35 @@ def test_clean_eviction_moves_nothing_and_report_counts():
     assert report["moved_bytes"]["device->cpu"] == NUMEL * 4
     assert report["tiers"]["cpu"]["bytes_by_kind"] == {"master": NUMEL * 4}
     assert report["chunk_states"] == {"HOLD": 1}
+
+
+def test_aliases_name_one_tier():
+    store = ChunkStore([MemoryTier("cpu", 4 * NUMEL * 4)], aliases={"device": "cpu"})
+    (key,) = store.register("master", 1, NUMEL, torch.float32)
+    store.initialize(key, "device", lambda v: v.fill_(2.0))
+    assert store.tier_name("device") == "cpu" and store.records[key].valid == {"cpu"}
+    view = store.access(key, "device")
+    assert view.eq(2.0).all() and store.view(key, "cpu").data_ptr() == view.data_ptr()
+    store.release(key, "cpu")
+    assert store.memory_report()["moved_bytes"] == {}          # nothing copied between "two" tiers
+    with pytest.raises(ConfigError, match="aliases"):
+        ChunkStore([MemoryTier("cpu", NUMEL * 4)], aliases={"device": "gpu"})
+
+
+def test_finished_writeback_frees_its_chunk_for_eviction(disk_tmp):
+    """A chunk whose write-back to NVMe has landed is evictable without anyone having waited on
+    the move: making room finishes completed moves first instead of evicting what is still needed."""
+    nvme = _nvme_tier(disk_tmp)
+    store = ChunkStore([MemoryTier("cpu", 2 * NUMEL * 4, aligned=True), nvme], LRUPolicy())
+    a, b, c = store.register("master", 3, NUMEL, torch.float32)
+    store.initialize(a, "cpu", lambda v: v.fill_(1.0))
+    store.initialize(b, "cpu", lambda v: v.fill_(2.0))
+    move = store.start_writeback(b)       # b was used last: LRU would evict a, whose only copy is here
+    move.wait_io()
+    assert store.records[b].busy          # nobody finished the move yet
+    store.policy.on_access(a)             # a is now the most recently used
+    store.initialize(c, "cpu")
+    assert store.records[b].valid == {"nvme"} and store.records[a].valid == {"cpu"}
+    assert store.memory_report()["moved_bytes"] == {"cpu->nvme": NUMEL * 4}   # a was not written
+    assert store.read(b).eq(2.0).all()
+    nvme.close()
