@@ -530,7 +530,9 @@ class ChunkStore:
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
             if not candidates:
                 return False
-            need = nbytes - t.free_bytes
+            # With enough free bytes that are not contiguous (a shared arena), free one more
+            # chunk's worth, victim by victim until the request fits.
+            need = nbytes - t.free_bytes if nbytes > t.free_bytes else nbytes
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
                 self._evict(self.records[key], tier)
                 if t.can_allocate(nbytes):

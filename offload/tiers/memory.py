@@ -4,6 +4,11 @@ Buffers are flat ``uint8`` tensors; a chunk views one as its dtype. Freed buffer
 pool for the next chunk of the same size (freshly touched pages cost ~40x more than reused
 ones on these machines), and are handed back to the system only when a request of another size
 needs their share of the budget. ``reserved`` (pooled + in use) never exceeds ``budget``.
+
+A host tier that feeds O_DIRECT I/O (``aligned``, not pinned) instead carves every buffer out
+of one huge-page-advised mapping of ``budget`` bytes (see ``arena``): chunks of every size share
+it, and nothing is mapped or unmapped while training runs. Pages are touched only as they are
+first used, so resident memory grows to the peak use, never beyond the budget.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class MemoryTier:
         self.in_use = 0                     # bytes handed out
         self._pooled: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
+        self._arena = None                  # (mapping, its address, Extents) once first used
+        self._use_arena = self.device.type == "cpu" and aligned and not pin
 
     @property
     def reserved(self) -> int:
@@ -47,12 +54,19 @@ class MemoryTier:
         return self.budget - self.in_use
 
     def can_allocate(self, nbytes: int) -> bool:
-        return self.in_use + nbytes <= self.budget
+        if self.in_use + nbytes > self.budget:
+            return False
+        # In an arena the bytes must also be contiguous (evicting more makes them so).
+        return self._arena is None or self._arena[2].largest() >= nbytes
 
     def allocate(self, nbytes: int, holders: Callable[[], str] = lambda: "") -> torch.Tensor:
         """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it."""
         if not self.can_allocate(nbytes):
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
+        if self._use_arena:
+            buf = self._from_arena(nbytes)
+            self.in_use += nbytes
+            return buf
         pool = self._pooled[nbytes]
         if pool:
             buf = pool.pop()
@@ -67,6 +81,10 @@ class MemoryTier:
         """Return a buffer to the pool (it stays reserved for the next chunk of its size)."""
         nbytes = buf.numel()
         self.in_use -= nbytes
+        if self._arena is not None:
+            _, base, extents = self._arena
+            extents.free(buf.data_ptr() - base, nbytes)
+            return
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
 
@@ -77,6 +95,21 @@ class MemoryTier:
             while pool and self._pooled_bytes > max(keep, 0):
                 pool.pop()
                 self._pooled_bytes -= size
+
+    def _from_arena(self, nbytes: int) -> torch.Tensor:
+        from .. import native
+        from .arena import Extents
+
+        if self._arena is None:
+            mapping, address = native.buffer_alloc(self.budget, hugepage=True, populate=False)
+            self._arena = (memoryview(mapping), address, Extents(self.budget // 4096 * 4096))
+        view, _, extents = self._arena
+        start = extents.allocate(nbytes)
+        if start is None:        # can_allocate said yes: only a bug gets here
+            raise TierFullError(self.name, self.budget, self.in_use, nbytes, "no contiguous free range")
+        # A tensor of its own over the range (its storage starts there: the engine tells chunks
+        # apart by storage address), keeping the mapping alive as long as it lives.
+        return torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu" and (self.aligned or self.pin):
