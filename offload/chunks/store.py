@@ -201,7 +201,10 @@ class ChunkStore:
             if dst in rec.incoming:
                 return rec.incoming[dst][1]
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
-                limit = self.policy.rank(key) if self.policy.name == "next_use" or soon else float("inf")
+                # A "soon" chunk (the optimizer's next) may only push out chunks the trace does
+                # not need again this iteration: parameters backward still needs stay.
+                limit = self.policy.soon_limit() if soon else \
+                    self.policy.rank(key) if self.policy.name == "next_use" else float("inf")
                 if not self._make_room(dst, rec.nbytes, key, later_than=limit):
                     return None
             return self._start_move(rec, src, dst)

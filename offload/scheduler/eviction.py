@@ -37,6 +37,10 @@ class EvictionPolicy:
         """The rank of a chunk needed right now."""
         return 0.0
 
+    def soon_limit(self) -> float:
+        """The rank above which a chunk may leave for one fetched ahead of an untraced use."""
+        return self.soonest()
+
     def rank(self, key: Hashable) -> float:
         """Higher rank leaves first."""
         hinted = self.hints.get(key)
@@ -96,6 +100,12 @@ class NextUsePolicy(EvictionPolicy):
 
     def soonest(self) -> float:
         return float(self.position)
+
+    def soon_limit(self) -> float:
+        # Chunks the trace still needs this iteration rank below its length.
+        if self.trace is None or len(self.trace) == 0:
+            return self.soonest()
+        return float(len(self.trace) - 1)
 
     def _rank(self, key: Hashable) -> float:
         if self.trace is None or len(self.trace) == 0:

@@ -30,29 +30,34 @@ class Extents:
     def free_total(self) -> int:
         return sum(self._lengths.values())
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, *, top: bool = False) -> int | None:
         """Start of a range of ``nbytes`` (rounded up to ``align``), or None if none is free.
 
-        Best fit (the smallest free extent that holds it, lowest start on ties): chunks come in
-        a few sizes, and keeping big extents whole leaves room for the big ones."""
+        From the bottom of the region (the lowest free extent that holds it), or with ``top``
+        from the top (the highest, at its end). Chunks come in two sizes (compute-precision and
+        fp32); each size growing from its own end keeps freed ranges usable by the same size,
+        where mixing them would leave holes too small for the big ones."""
         n = self._round(nbytes)
-        best = None
-        for start in self._starts:
-            length = self._lengths[start]
-            if length >= n and (best is None or length < self._lengths[best]):
-                best = start
-                if length == n:
-                    break
-        if best is None:
+        fits = [s for s in (reversed(self._starts) if top else self._starts) if self._lengths[s] >= n]
+        if not fits:
             return None
-        length = self._lengths.pop(best)
-        i = bisect.bisect_left(self._starts, best)
+        start = fits[0]
+        length = self._lengths[start]
+        i = bisect.bisect_left(self._starts, start)
+        if top:
+            if length == n:
+                del self._starts[i]
+                del self._lengths[start]
+            else:
+                self._lengths[start] = length - n
+            return start + length - n
+        del self._lengths[start]
         if length == n:
             del self._starts[i]
         else:
-            self._starts[i] = best + n
-            self._lengths[best + n] = length - n
-        return best
+            self._starts[i] = start + n
+            self._lengths[start + n] = length - n
+        return start
 
     def free(self, start: int, nbytes: int) -> None:
         """Give back a range ``allocate`` returned, merging it with free neighbours."""

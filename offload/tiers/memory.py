@@ -42,6 +42,7 @@ class MemoryTier:
         self._pooled_bytes = 0
         self._arena = None                  # (mapping, its address, Extents) once first used
         self._use_arena = self.device.type == "cpu" and aligned and not pin
+        self._largest_request = 0
 
     @property
     def reserved(self) -> int:
@@ -104,7 +105,9 @@ class MemoryTier:
             mapping, address = native.buffer_alloc(self.budget, hugepage=True, populate=False)
             self._arena = (memoryview(mapping), address, Extents(self.budget // 4096 * 4096))
         view, _, extents = self._arena
-        start = extents.allocate(nbytes)
+        # The largest size seen (fp32 chunks) grows from the bottom, smaller ones from the top.
+        self._largest_request = max(self._largest_request, nbytes)
+        start = extents.allocate(nbytes, top=nbytes < self._largest_request)
         if start is None:        # can_allocate said yes: only a bug gets here
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, "no contiguous free range")
         # A tensor of its own over the range (its storage starts there: the engine tells chunks

@@ -22,7 +22,7 @@ def test_extents_match_a_byte_map(pages, ops):
     live: list[tuple[int, int]] = []
     for is_alloc, n, pick in ops:
         if is_alloc or not live:
-            start = ext.allocate(n * PAGE)
+            start = ext.allocate(n * PAGE, top=bool(pick % 2))
             runs = [i for i in range(pages - n + 1) if not any(used[i:i + n])]
             if start is None:
                 assert not runs                      # refused only when no n free pages in a row
@@ -52,15 +52,16 @@ def test_extents_refuse_a_double_free():
 
 
 def test_aligned_host_tier_carves_one_mapping():
-    tier = MemoryTier("cpu", 6 * PAGE * 64, aligned=True)
-    a = tier.allocate(2 * PAGE * 64)
-    b = tier.allocate(PAGE * 64)
+    unit = PAGE * 64
+    tier = MemoryTier("cpu", 6 * unit, aligned=True)
+    a = tier.allocate(2 * unit)           # the largest size so far: from the bottom
+    b = tier.allocate(unit)               # smaller: from the top
     a.fill_(1)
     b.fill_(2)
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()   # chunks stay apart
-    assert b.data_ptr() - a.data_ptr() == 2 * PAGE * 64 and a.data_ptr() % PAGE == 0
+    assert a.data_ptr() % PAGE == 0 and b.data_ptr() - a.data_ptr() == 5 * unit
     tier.free(a)
-    c = tier.allocate(PAGE * 64)          # best fit reuses the freed range
+    c = tier.allocate(2 * unit)           # the freed range is whole again for the next big one
     assert c.data_ptr() == a.data_ptr() and b.eq(2).all()
-    assert tier.in_use == 2 * PAGE * 64 and tier.can_allocate(3 * PAGE * 64)
-    assert not tier.can_allocate(4 * PAGE * 64 + 1)
+    assert tier.in_use == 3 * unit and tier.can_allocate(3 * unit)
+    assert not tier.can_allocate(3 * unit + 1)
