@@ -74,8 +74,9 @@ BUILD = textwrap.dedent("""
 
 # Beyond the two budgets (on the CPU one host-memory tier, filled first): one or two partly
 # filled fp32 staging chunks, the module being initialized, the engine's bookkeeping and
-# allocator slack (measured 46-58 MiB here; the state is 363 MB, so RSS does not follow it).
-LAZY_OVERHEAD = 64 << 20
+# allocator slack — glibc keeps freed 3 MiB staging blocks in its heap, 20-25 MiB of the
+# 64-79 MiB measured here. The state is 363 MB: RSS does not follow it.
+LAZY_OVERHEAD = 88 << 20
 
 
 def test_lazy_build_streams_within_budget(disk_tmp):
