@@ -99,11 +99,10 @@ struct off_aio {
     long long outstanding;      /* accepted by submit, not yet reaped */
     int closing;
     unsigned wakes;             /* bumped by off_aio_wake: waiting reapers return early */
-    struct iocb **batch;        /* io_submit scratch, guarded by submit_lock */
+    struct iocb **batch;        /* io_submit scratch of the submission thread */
     off_io_req *batch_reqs;
     struct io_event *events;    /* completion thread's scratch */
     pthread_mutex_t lock;       /* everything above except the scratch arrays */
-    pthread_mutex_t submit_lock;/* one io_submit batch at a time */
     pthread_cond_t work_cv;     /* completion thread: something to wait for, or closing */
     pthread_cond_t submit_cv;   /* submission thread: pending requests and free slots, or closing */
     pthread_cond_t done_cv;     /* reapers: a completion arrived */
@@ -121,11 +120,12 @@ static void post_done(off_aio *c, unsigned long long tag, long long result, long
     fifo_push(&c->done, &d);
 }
 
-/* Give pending requests to the kernel while slots are free. Called without `lock`. */
-static void pump(off_aio *c)
+/* Give pending requests to the kernel while slots are free. Called with `lock` held, which it
+ * drops around io_submit; only the submission thread calls it. Returns 1 when the kernel said
+ * EAGAIN with requests in flight: try again once a completion frees resources. */
+static int pump(off_aio *c)
 {
-    pthread_mutex_lock(&c->submit_lock);
-    pthread_mutex_lock(&c->lock);
+    int again = 0;
     for (;;) {
         int k = c->pending.len < c->nfree ? (int)c->pending.len : c->nfree;
         if (k > c->submit_batch)
@@ -158,8 +158,10 @@ static void pump(off_aio *c)
         }
         if (rc < 0) {
             int inflight = c->depth - c->nfree;
-            if (rc == -EAGAIN && inflight > 0)
-                break;                          /* retried when a completion frees resources */
+            if (rc == -EAGAIN && inflight > 0) {
+                again = 1;                      /* retried when a completion frees resources */
+                break;
+            }
             /* The kernel refused this request: it completes with the error, never retried. */
             off_io_req r;
             fifo_pop(&c->pending, &r);
@@ -167,8 +169,7 @@ static void pump(off_aio *c)
             pthread_cond_broadcast(&c->done_cv);
         }
     }
-    pthread_mutex_unlock(&c->lock);
-    pthread_mutex_unlock(&c->submit_lock);
+    return again;
 }
 
 static void *completion_thread(void *arg)
@@ -220,17 +221,17 @@ static void *completion_thread(void *arg)
 static void *submission_thread(void *arg)
 {
     off_aio *c = arg;
+    int again = 0;      /* the kernel said EAGAIN: wait for a completion before retrying */
     pthread_mutex_lock(&c->lock);
     for (;;) {
-        if (c->pending.len && c->nfree) {
-            pthread_mutex_unlock(&c->lock);
-            pump(c);
-            pthread_mutex_lock(&c->lock);
+        if (c->pending.len && c->nfree && !again) {
+            again = pump(c);
             continue;
         }
         if (c->closing && c->pending.len == 0)
             break;
         pthread_cond_wait(&c->submit_cv, &c->lock);
+        again = 0;
     }
     pthread_mutex_unlock(&c->lock);
     return NULL;
@@ -256,7 +257,6 @@ OFF_EXPORT void off_aio_destroy(off_aio *c)
         io_destroy(c->io);
     if (c->sync_made) {
         pthread_mutex_destroy(&c->lock);
-        pthread_mutex_destroy(&c->submit_lock);
         pthread_cond_destroy(&c->work_cv);
         pthread_cond_destroy(&c->submit_cv);
         pthread_cond_destroy(&c->done_cv);
@@ -311,7 +311,6 @@ OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_mutex_init(&c->lock, NULL);
-    pthread_mutex_init(&c->submit_lock, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->submit_cv, NULL);
     pthread_cond_init(&c->done_cv, &ca);
