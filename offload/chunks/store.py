@@ -133,7 +133,7 @@ class ChunkStore:
     # ---- life cycle -------------------------------------------------------
     def initialize(self, key: ChunkKey, tier: str, fill: Callable[[torch.Tensor], None] | None = None) -> None:
         """Give a FREE chunk storage on a memory ``tier``: zeros, or whatever ``fill(view)`` writes."""
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
             if rec.state is not ChunkState.FREE:
@@ -165,19 +165,15 @@ class ChunkStore:
 
         Asynchronous: call again after the returned move finishes to take the next hop.
         """
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
             if rec.state is ChunkState.FREE:
                 raise StateError(f"chunk {key} holds no data yet; initialize it first")
             if rec.has(tier):
                 return None
-            if tier in rec.incoming:
-                return rec.incoming[tier][1]
-            src, dst = self._next_hop(rec, tier)
-            if dst in rec.incoming:
-                return rec.incoming[dst][1]
-            return self._start_move(rec, src, dst)
+            under_way, src, dst = self._hop(rec, tier)
+            return under_way or self._start_move(rec, src, dst)
 
     def prefetch(self, key: ChunkKey, tier: str, *, soon: bool = False) -> Move | None:
         """Like ``fetch``, but only into free room or by evicting chunks needed later than ``key``.
@@ -186,7 +182,7 @@ class ChunkStore:
         show it (the optimizer's next chunk): it then outranks everything not needed right now.
         Never waits and never raises for lack of room: a prefetch that cannot go now is skipped.
         """
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self.records.get(key)
             if rec is None or rec.state is ChunkState.FREE:
@@ -195,11 +191,9 @@ class ChunkStore:
                 self.policy.hint_soon(key)
             if rec.has(tier):
                 return None
-            if tier in rec.incoming:
-                return rec.incoming[tier][1]
-            src, dst = self._next_hop(rec, tier)
-            if dst in rec.incoming:
-                return rec.incoming[dst][1]
+            under_way, src, dst = self._hop(rec, tier)
+            if under_way is not None:
+                return under_way
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
                 # A "soon" chunk (the optimizer's next) may only push out chunks the trace does
                 # not need again this iteration: parameters backward still needs stay.
@@ -215,7 +209,7 @@ class ChunkStore:
         The I/O is waited for outside the store's lock (when the caller does not hold it), so
         other threads keep fetching and evicting meanwhile.
         """
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         while True:
             with self.lock:
                 move = self.fetch(key, tier)
@@ -231,7 +225,7 @@ class ChunkStore:
         ``overwrite=True`` promises the caller rewrites every byte it will ever read back: no
         copy is fetched, the old contents are dropped, and the chunk counts as written.
         """
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         self._memory_tier(tier)
         # While this thread brings the chunk up hop by hop (waiting outside the lock), no other
         # thread's eviction may take it back down: that is how two threads thrash a small tier.
@@ -269,7 +263,7 @@ class ChunkStore:
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
             if rec.pins[tier] <= 0:
@@ -288,7 +282,7 @@ class ChunkStore:
 
     def view(self, key: ChunkKey, tier: str) -> torch.Tensor | None:
         """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
             buf = rec.buffers.get(tier)
@@ -296,7 +290,7 @@ class ChunkStore:
 
     def evict(self, key: ChunkKey, tier: str) -> None:
         """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
-        tier = self.aliases.get(tier, tier)
+        tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
             if tier == "nvme":
@@ -424,11 +418,16 @@ class ChunkStore:
             if not self._protected[rec.key]:
                 del self._protected[rec.key]
 
-    def _next_hop(self, rec: ChunkRecord, target: str) -> tuple[str, str]:
+    def _hop(self, rec: ChunkRecord, target: str) -> tuple[Move | None, str, str]:
+        """The next hop (src, dst) that brings ``rec`` towards ``target``, from its closest
+        current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
+        if target in rec.incoming:
+            return rec.incoming[target][1], target, target
         ti = self.order.index(target)
         src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
         si = self.order.index(src)
-        return src, self.order[si - 1 if si > ti else si + 1]
+        dst = self.order[si - 1 if si > ti else si + 1]
+        return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
 
     def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
         if dst == "nvme":
