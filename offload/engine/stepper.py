@@ -127,7 +127,7 @@ class ChunkAdam:
 
         def take(key, dirty, overwrite=False):
             view = store.access(key, "cpu", overwrite=overwrite)
-            pinned.append((key, "cpu", dirty))
+            pinned.append((key, dirty))
             return view
 
         try:
@@ -151,15 +151,15 @@ class ChunkAdam:
                     # Parameters skipped this step keep their values in the rewritten chunk.
                     self._copy_skipped(c, master, out, runs)
         finally:
-            for key, tier, dirty in reversed(pinned):
-                store.release(key, tier, dirty=dirty)
+            for key, dirty in reversed(pinned):
+                store.release(key, "cpu", dirty=dirty)
         # The update consumed the window's gradients (optimizer.step() does, as DeepSpeed's engine
         # does): free their chunk now rather than let a tier write it down to make room.
         store.release_storage(("grad", c))
         if self.engine.spills:
             # The state will not stay in memory until the next step: start writing it down now,
             # while the next chunk is updated, so that its eviction later costs nothing.
-            for key, _, dirty in pinned:
+            for key, dirty in pinned:
                 if dirty:
                     store.start_writeback(key)
 
@@ -183,7 +183,8 @@ class ChunkAdam:
             self._queue = queue.Queue()
             self._worker = threading.Thread(target=self._run, name="offload-adam", daemon=True)
             self._worker.start()
-        self.prefetch(c)
+        # Chunk c's own inputs were asked for when its gradients completed (the engine's
+        # _finish_grad_chunk); these are the next ones backward will complete.
         for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
             self.prefetch(ahead)      # backward completes chunks in reverse order
         self._queue.put((c, runs, grad_scale))

@@ -115,12 +115,12 @@ class MemoryTier:
         return torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cpu" and (self.aligned or self.pin):
+        if self.device.type == "cpu" and self.pin:      # aligned and unpinned: the arena
             from ..aio import aligned_empty
 
             # Huge pages let 1 MiB O_DIRECT requests go through whole, but a buffer that is not a
             # whole number of them would hold (and count in RSS) more than its budgeted bytes.
-            return aligned_empty(nbytes, torch.uint8, pin=self.pin, hugepage=nbytes % HUGEPAGE == 0)
+            return aligned_empty(nbytes, torch.uint8, pin=True, hugepage=nbytes % HUGEPAGE == 0)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def describe(self) -> dict:
