@@ -1,4 +1,4 @@
-"""Extents of one preallocated region: best-fit allocation, coalescing free.
+"""Extents of one preallocated region: first fit from either end, coalescing free.
 
 A host tier that feeds O_DIRECT I/O keeps all its chunk buffers in one huge-page-advised
 mapping (``MemoryTier`` with ``aligned``): nothing is mapped, faulted in, zeroed or unmapped
@@ -38,10 +38,10 @@ class Extents:
         fp32); each size growing from its own end keeps freed ranges usable by the same size,
         where mixing them would leave holes too small for the big ones."""
         n = self._round(nbytes)
-        fits = [s for s in (reversed(self._starts) if top else self._starts) if self._lengths[s] >= n]
-        if not fits:
+        order = reversed(self._starts) if top else self._starts
+        start = next((s for s in order if self._lengths[s] >= n), None)
+        if start is None:
             return None
-        start = fits[0]
         length = self._lengths[start]
         i = bisect.bisect_left(self._starts, start)
         if top:
