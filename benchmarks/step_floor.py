@@ -21,6 +21,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -45,9 +46,13 @@ def main() -> int:
     ids = _batch(cfg, 512, "cpu")
     n = -(-sum(p.numel() for p in model.parameters()) // args.chunk)
     set_bytes = args.chunk * 4 * 3            # master + exp_avg + exp_avg_sq, fp32
-    os.makedirs(args.path, exist_ok=True)
+    try:
+        os.makedirs(args.path, exist_ok=True)
+    except OSError as exc:
+        print(f"step_floor: --path {args.path!r}: {exc.strerror}", file=sys.stderr)
+        return 1
     if n * set_bytes * 1.2 > free_bytes(args.path):
-        print(f"step_floor: {args.path} lacks {n * set_bytes / 1e9:.2f} GB of free space", flush=True)
+        print(f"step_floor: {args.path} lacks {n * set_bytes / 1e9:.2f} GB of free space", file=sys.stderr)
         return 1
     work = tempfile.mkdtemp(prefix=".offload-floor-", dir=args.path)
     aio = AsyncIO(AioConfig())
