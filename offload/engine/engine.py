@@ -3,7 +3,7 @@
 The training loop reads like the paper: each module's chunks are pinned on the compute device
 just before its forward (and again before its backward), the trace of the first iteration says
 which chunks come next so they are fetched ahead (``prefetch(j + 1); compute(j); evict(j - 1)``),
-each parameter's gradient is added into its chunk's fp32 gradient buffer the moment autograd
+each parameter's gradient is added into its chunk's gradient buffer the moment autograd
 produces it, and a chunk whose gradients are complete goes to the CPU Adam while backward
 continues — or, when the update needs every gradient first (global-norm clipping, fp16 overflow
 checks, a micro-batch that is not the last of its accumulation window), at ``optimizer.step()``
@@ -84,7 +84,12 @@ class OffloadEngine:
         self.store.on_free = self.params.on_store_free
         self.params.register_chunks()
         n, size = self.layout.num_chunks, self.layout.chunk_size
-        for kind in ("grad", "exp_avg", "exp_avg_sq"):
+        # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
+        # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
+        # together is done in fp32.
+        self.grad_dtype = self.dtype if config.gradient_accumulation_steps == 1 else torch.float32
+        self.store.register("grad", n, size, self.grad_dtype)
+        for kind in ("exp_avg", "exp_avg_sq"):
             self.store.register(kind, n, size, torch.float32)
         persistent = sum(r.nbytes for r in self.store.records.values() if r.key[0] != "grad")
         # When the persistent state cannot all stay in memory, the optimizer writes each chunk's
@@ -389,7 +394,8 @@ class OffloadEngine:
             if p.requires_grad and ref.index not in self.with_grad:
                 view[ref.slot.offset:ref.slot.end].zero_()
         if not self.eager:   # the update waits for backward: clipping or overflow checks may need the norm
-            self.sumsq[c] = torch.dot(view, view)    # fp32 already; no chunk-sized temporary
+            v = view if view.dtype == torch.float32 else view.float()
+            self.sumsq[c] = torch.dot(v, v)
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True

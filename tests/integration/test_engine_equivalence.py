@@ -284,3 +284,18 @@ def test_step_consumes_gradients(disk_tmp):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     for m in (ma, mb):
         m.offload_engine.close()
+
+
+def test_gradient_chunks_keep_autograd_dtype_unless_accumulating(disk_tmp):
+    """Without accumulation a gradient chunk holds bf16 copies of bf16 gradients (lossless, half
+    the bytes); accumulating micro-batches sums them in fp32, and still trains like fp32 does."""
+    ref32, mine = make_models()
+    plain = offload.wrap(make_models()[1], small_config(disk_tmp / "plain", dtype="bf16"))
+    assert plain.offload_engine.store.records[("grad", 0)].dtype == torch.bfloat16
+    plain.offload_engine.close()
+    want32 = run_reference(ref32, 6, accumulate=2)
+    cfg = small_config(disk_tmp / "acc", dtype="bf16", gradient_accumulation_steps=2)
+    model, _, got = run_offload(mine, cfg, 6, accumulate=2)
+    assert model.offload_engine.store.records[("grad", 0)].dtype == torch.float32
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want32), rtol=5e-2, atol=0)
+    model.offload_engine.close()
