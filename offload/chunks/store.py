@@ -195,8 +195,8 @@ class ChunkStore:
             if under_way is not None:
                 return under_way
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
-                # A "soon" chunk (the optimizer's next) may only push out chunks the trace does
-                # not need again this iteration: parameters backward still needs stay.
+                # A "soon" chunk (the optimizer's next) may only push out what the policy's
+                # soon_limit allows (with a trace: chunks the trace never uses).
                 limit = self.policy.soon_limit() if soon else \
                     self.policy.rank(key) if self.policy.name == "next_use" else float("inf")
                 if not self._make_room(dst, rec.nbytes, key, later_than=limit):

@@ -102,10 +102,13 @@ class NextUsePolicy(EvictionPolicy):
         return float(self.position)
 
     def soon_limit(self) -> float:
-        # Chunks the trace still needs this iteration rank below its length.
+        # Only chunks the trace never uses (optimizer state already updated) make room for the
+        # optimizer's next chunk: a parameter pushed out now costs a write and a read before the
+        # next forward, and prefetches that evict each other read the same state twice. Every
+        # traced chunk ranks below 2·len (its next use is at most len + its first use).
         if self.trace is None or len(self.trace) == 0:
             return self.soonest()
-        return float(len(self.trace) - 1)
+        return float(2 * len(self.trace))
 
     def _rank(self, key: Hashable) -> float:
         if self.trace is None or len(self.trace) == 0:

@@ -63,3 +63,27 @@ def test_lru_picks_oldest():
     assert p.choose(["a", "b", "c"], 1, lambda k: 1) == ["a"]
     p.on_access("a")
     assert p.choose(["a", "b", "c"], 2, lambda k: 1) == ["b", "c"]
+
+
+def test_optimizer_prefetch_never_pushes_out_parameters():
+    """A "soon" prefetch (the optimizer's next state chunk) may evict state the trace never uses,
+    but not a parameter, even one not needed again this iteration: that would cost a write and a
+    read before the next forward. With only parameters to evict, the prefetch is skipped."""
+    nbytes = CHUNK * 4
+    trace = AccessTrace([("param", 0), ("param", 1), ("param", 1), ("param", 0)])
+    policy = NextUsePolicy(trace, auto_advance=False)
+    store = ChunkStore([MemoryTier("cpu", 3 * nbytes), MemoryTier("slow", 64 * nbytes)], policy)
+    for kind in ("param", "master"):
+        for key in store.register(kind, 2, CHUNK, torch.float32):
+            store.initialize(key, "slow")
+    for key in (("param", 0), ("param", 1), ("master", 0)):
+        store.ensure(key, "cpu")
+    policy.position = 3             # backward is done with param 1; param 0 is next
+    move = store.prefetch(("master", 1), "cpu", soon=True)
+    assert move is not None
+    move.wait()
+    assert store.records[("master", 0)].has("cpu") is False
+    assert all(store.records[("param", i)].has("cpu") for i in (0, 1))
+    # Now only parameters (and the hinted chunk) are there: nothing may go.
+    assert store.prefetch(("master", 0), "cpu", soon=True) is None
+    assert all(store.records[("param", i)].has("cpu") for i in (0, 1))
