@@ -485,6 +485,13 @@ class ChunkStore:
         for move in [m for m in self._in_flight if m.io_ready()]:
             move.finish()
 
+    def wait_idle(self) -> None:
+        """Wait for every asynchronous move under way (write-backs started by the optimizer
+        included) and finish it."""
+        with self.lock:
+            while self._in_flight:
+                next(iter(self._in_flight)).wait()
+
     def _settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
         while rec.incoming:

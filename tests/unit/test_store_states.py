@@ -235,3 +235,18 @@ def test_finished_writeback_frees_its_chunk_for_eviction(disk_tmp):
     assert store.memory_report()["moved_bytes"] == {"cpu->nvme": NUMEL * 4}   # a was not written
     assert store.read(b).eq(2.0).all()
     nvme.close()
+
+
+def test_wait_idle_finishes_every_move_under_way(disk_tmp):
+    nvme = _nvme_tier(disk_tmp)
+    store = ChunkStore([MemoryTier("cpu", 4 * NUMEL * 4, aligned=True), nvme], LRUPolicy())
+    keys = store.register("master", 3, NUMEL, torch.float32)
+    for i, key in enumerate(keys):
+        store.initialize(key, "cpu", lambda v, i=i: v.fill_(float(i)))
+        store.start_writeback(key)
+    store.wait_idle()
+    assert not any(store.records[k].busy for k in keys)
+    assert all(store.records[k].valid == {"cpu", "nvme"} for k in keys)
+    assert store.memory_report()["moved_bytes"] == {"cpu->nvme": 3 * NUMEL * 4}
+    store.wait_idle()                     # nothing under way: returns at once
+    nvme.close()
