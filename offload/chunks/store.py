@@ -43,6 +43,7 @@ class ChunkRecord:
     nbytes: int
     state: ChunkState = ChunkState.FREE
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)     # memory tiers with a current copy
+    views: dict[str, torch.Tensor] = field(default_factory=dict)       # each copy's typed view, made once
     incoming: dict[str, tuple[torch.Tensor | None, Move]] = field(default_factory=dict)
     slot: NvmeSlot | None = None
     nvme_valid: bool = False
@@ -254,7 +255,7 @@ class ChunkStore:
                     if rec.state is ChunkState.HOLD:
                         self._set_state(rec, ChunkState.COMPUTE)
                     self.policy.on_access(key)
-                    return self._typed(rec.buffers[tier], rec)
+                    return rec.views[tier]
         finally:
             with self.lock:
                 self._protected[key] -= 1
@@ -285,8 +286,7 @@ class ChunkStore:
         tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
-            buf = rec.buffers.get(tier)
-            return None if buf is None else self._typed(buf, rec)
+            return rec.views.get(tier)
 
     def evict(self, key: ChunkKey, tier: str) -> None:
         """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
@@ -323,7 +323,7 @@ class ChunkStore:
             typed = self._typed(out, rec)
             for tier in self.order:
                 if tier in rec.buffers:
-                    typed.copy_(self._typed(rec.buffers[tier], rec))
+                    typed.copy_(rec.views[tier])
                     return typed
             self.tiers["nvme"].read(rec.slot, out[: rec.slot.nbytes]).wait()
             self.moved[("nvme", "host")] += rec.nbytes
@@ -576,10 +576,12 @@ class ChunkStore:
         if self.on_free is not None:
             self.on_free(rec.key, tier)
         self.tiers[tier].free(rec.buffers.pop(tier))
+        del rec.views[tier]
         self.resident[tier].pop(rec.key, None)
 
     def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor) -> None:
         rec.buffers[tier] = buf
+        rec.views[tier] = self._typed(buf, rec)
         self.resident[tier][rec.key] = None
 
     def _holders(self, tier: str) -> str:
