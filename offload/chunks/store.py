@@ -142,11 +142,15 @@ class ChunkStore:
             self._memory_tier(tier)
             buf = self._allocate(tier, rec)
             view = self._typed(buf, rec)
-            if fill is None:
-                view.zero_()
-            else:
-                fill(view)
-            self._add_copy(rec, tier, buf)
+            try:
+                if fill is None:
+                    view.zero_()
+                else:
+                    fill(view)
+            except BaseException:
+                self.tiers[tier].free(buf)        # the chunk stays FREE, its budget unspent
+                raise
+            self._add_copy(rec, tier, buf, view)
             rec.version += 1
             self._set_state(rec, ChunkState.HOLD)
 
@@ -579,9 +583,9 @@ class ChunkStore:
         del rec.views[tier]
         self.resident[tier].pop(rec.key, None)
 
-    def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor) -> None:
+    def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor, view: torch.Tensor | None = None) -> None:
         rec.buffers[tier] = buf
-        rec.views[tier] = self._typed(buf, rec)
+        rec.views[tier] = self._typed(buf, rec) if view is None else view
         self.resident[tier][rec.key] = None
 
     def _holders(self, tier: str) -> str:

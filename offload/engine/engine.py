@@ -87,8 +87,8 @@ class OffloadEngine:
         # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
         # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
         # together is done in fp32.
-        self.grad_dtype = self.dtype if config.gradient_accumulation_steps == 1 else torch.float32
-        self.store.register("grad", n, size, self.grad_dtype)
+        self.store.register("grad", n, size,
+                            self.dtype if config.gradient_accumulation_steps == 1 else torch.float32)
         for kind in ("exp_avg", "exp_avg_sq"):
             self.store.register(kind, n, size, torch.float32)
         persistent = sum(r.nbytes for r in self.store.records.values() if r.key[0] != "grad")

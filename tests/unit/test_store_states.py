@@ -250,3 +250,18 @@ def test_wait_idle_finishes_every_move_under_way(disk_tmp):
     assert store.memory_report()["moved_bytes"] == {"cpu->nvme": 3 * NUMEL * 4}
     store.wait_idle()                     # nothing under way: returns at once
     nvme.close()
+
+
+def test_initialize_whose_fill_raises_gives_its_buffer_back():
+    tier = MemoryTier("cpu", 2 * NUMEL * 4)
+    store = ChunkStore([tier])
+    (key,) = store.register("master", 1, NUMEL, torch.float32)
+
+    def bad_fill(view):
+        raise ValueError("bad values")
+
+    with pytest.raises(ValueError, match="bad values"):
+        store.initialize(key, "cpu", bad_fill)
+    assert tier.in_use == 0 and store.records[key].state.name == "FREE"
+    store.initialize(key, "cpu", lambda v: v.fill_(1.0))        # and it can be initialized again
+    assert store.read(key).eq(1.0).all()
