@@ -15,7 +15,7 @@ lower bound measured in the same run::
   each timed right next to one offloaded step, alternating which goes first (the machine drifts);
 * NVMe: ``offload.bench.nvme.measure`` on the same directory with the engine's AioConfig; reads and
   writes share one device, so their times add;
-* Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, fp32
+* Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, bf16
   gradient, bf16 copy written, as the engine's step) for the model's parameter count.
 
 The "everything fits in memory" comparison wraps the same model with budgets larger than its state
@@ -327,10 +327,11 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
                                   queue_depth=aio.queue_depth, threads=aio.threads,
                                   repeats=nvme_repeats, with_fio=False)
 
-        # 5. Adam roofline for this parameter count (fp32 gradient chunks, bf16 copy written)
+        # 5. Adam roofline for this parameter count, streaming what the engine's update streams:
+        # bf16 gradient chunks (no accumulation), the bf16 copy written
         threads = physical_cores()
         _say(f"Adam roofline: {params / 1e6:.1f}M params, {threads} threads", quiet)
-        adam = adam_bench.measure(params=params, threads=threads, grad_dtype="fp32", out_dtype="bf16",
+        adam = adam_bench.measure(params=params, threads=threads, grad_dtype="bf16", out_dtype="bf16",
                                   repeats=adam_repeats, with_torch=False, levels=[simd_level()])
         roof = adam["results"]["roofline"]["params_per_s"]
     finally:
