@@ -74,6 +74,14 @@ def test_pio_round_trip_and_eof(tmp_path):
         os.close(fd)
 
 
+def _reap_all(ctx, count: int) -> list:
+    """Reap until ``count`` completions (tag, result, done) have come back."""
+    got = []
+    while len(got) < count:
+        got += ctx.reap(1, count, 5_000_000_000)
+    return got
+
+
 @libaio
 def test_aio_context_reports_short_read_as_eio(disk_tmp):
     path = disk_tmp / "short"
@@ -84,10 +92,7 @@ def test_aio_context_reports_short_read_as_eio(disk_tmp):
         buf, address = native.buffer_alloc(16384, hugepage=False, populate=True)
         assert ctx.submit([(7, fd, native.IO_READ, address, 0, 16384),
                            (8, fd, native.IO_READ, address, 0, 4096)]) == 2
-        got = {}
-        while len(got) < 2:
-            for tag, result, done in ctx.reap(1, 4, 1_000_000_000):
-                got[tag] = (result, done)
+        got = {tag: (result, done) for tag, result, done in _reap_all(ctx, 2)}
         assert got[7] == (-errno.EIO, 4096) and got[8] == (4096, 4096)   # short, then whole
         assert ctx.inflight() == 0
         assert ctx.reap(0, 4, 1_000_000) == []     # timeout: nothing
@@ -108,9 +113,7 @@ def test_aio_context_accepts_more_than_its_depth(disk_tmp):
         buf, address = native.buffer_alloc(64 * 4096, hugepage=False, populate=True)
         reqs = [(i, fd, native.IO_READ, address + i * 4096, i * 4096, 4096) for i in range(64)]
         assert ctx.submit(reqs) == 64
-        got = []
-        while len(got) < 64:
-            got += ctx.reap(1, 64, 5_000_000_000)
+        got = _reap_all(ctx, 64)
         assert sorted(t for t, _, _ in got) == list(range(64)) and all(r == 4096 for _, r, _ in got)
         assert bytes(buf) == path.read_bytes() and ctx.inflight() == 0
     finally:
@@ -128,9 +131,7 @@ def test_aio_context_refused_request_completes_with_its_error(disk_tmp):
         buf, address = native.buffer_alloc(8192, hugepage=False, populate=True)
         assert ctx.submit([(1, fd, native.IO_WRITE, address, 0, 4096),
                            (2, fd, native.IO_READ, address, 4096, 4096)]) == 2
-        got = {}
-        while len(got) < 2:
-            got.update((t, (r, d)) for t, r, d in ctx.reap(1, 4, 5_000_000_000))
+        got = {t: (r, d) for t, r, d in _reap_all(ctx, 2)}
         assert got[1] == (-errno.EBADF, -1) and got[2] == (4096, 4096)
     finally:
         ctx.destroy()
