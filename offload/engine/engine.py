@@ -349,6 +349,11 @@ class OffloadEngine:
         c = ref.slot.chunk
         if c not in self.grad_views:
             key = ("grad", c)
+            if self.eager and self.spills:
+                # Backward may run ahead of the optimizer by its read-ahead window, no further:
+                # gradients waiting beyond it only take the room the state being read needs,
+                # and when the disk is the bottleneck they are written down and read back.
+                self.adam.wait_backlog(max(1, self.config.prefetch_depth + 1))
             if self.store.records[key].state is ChunkState.FREE:
                 # Only the gaps need zeros: every parameter's slice is written by its first gradient.
                 self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))

@@ -5,11 +5,14 @@ started ahead), runs the SIMD kernel over runs of parameters that share hyper-pa
 step count, writes the new compute-precision parameters into the CPU parameter chunk in the
 same pass, and unpins (the store writes state back down when a tier needs the room). A worker
 thread runs updates while backward is still producing gradients for earlier layers (LoHan's
-active gradient offloading); ``drain`` waits for it and re-raises its first error.
+active gradient offloading), reading ahead of its queue; backward waits (``wait_backlog``)
+rather than run further ahead than that read-ahead. ``drain`` waits for the worker and re-raises
+its first error.
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from ..errors import OffloadError
 from ..optim.kernel import adam_step
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
+# wait_backlog gives up after this long without a single update finishing.
+BACKLOG_STALL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,10 @@ class ChunkAdam:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        # Chunks submitted and not yet taken by the worker, in the order it takes them.
+        self._pending: collections.deque[int] = collections.deque()
+        self._progress = threading.Condition()      # notified as the worker finishes each chunk
+        self._finished = 0
 
     # ---- one chunk -------------------------------------------------------------
     def runs(self, c: int, with_grad: set[int], groups: dict[int, Hyper]) -> list[tuple[int, int, Hyper, int]]:
@@ -187,6 +196,7 @@ class ChunkAdam:
         # _finish_grad_chunk); these are the next ones backward will complete.
         for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
             self.prefetch(ahead)      # backward completes chunks in reverse order
+        self._pending.append(c)
         self._queue.put((c, runs, grad_scale))
 
     def _run(self) -> None:
@@ -200,12 +210,42 @@ class ChunkAdam:
             try:
                 if item is None:
                     return
+                self._pending.popleft()
                 if self._error is None:
+                    self._prefetch_queued()
                     self.update(*item)
             except BaseException as exc:  # re-raised in the training thread by drain()
                 self._error = exc
             finally:
                 self._queue.task_done()
+                with self._progress:
+                    self._finished += 1
+                    self._progress.notify_all()
+
+    def _prefetch_queued(self) -> None:
+        # Once backward has run ahead of the updates (always, when compute is faster than the
+        # disk), the chunks queued here are the next ones to update: keep their inputs coming.
+        # The fetches asked for when they were submitted were skipped if there was no room then,
+        # and nothing else would ask again before the update waits for them one by one.
+        # By index: the training thread may append meanwhile, which an iterator would not survive.
+        for i in range(min(self.engine.config.prefetch_depth, len(self._pending))):
+            self.prefetch(self._pending[i])
+
+    def wait_backlog(self, limit: int, stall_s: float = BACKLOG_STALL_S) -> None:
+        """Wait until at most ``limit`` submitted chunks are still to be updated.
+
+        Back-pressure, not a barrier: it also returns when the worker failed (``drain`` reports
+        that) or finished nothing for ``stall_s`` (should an update ever need room that only the
+        waiting thread can free, that thread goes on rather than deadlock; it then spills).
+        """
+        if self._queue is None:
+            return
+        with self._progress:
+            while self._queue.unfinished_tasks > limit and self._error is None:
+                before = self._finished
+                self._progress.wait(stall_s)
+                if self._finished == before:
+                    return
 
     def drain(self) -> None:
         if self._queue is not None:

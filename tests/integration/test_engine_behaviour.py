@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import queue
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -201,4 +204,96 @@ def test_clip_grad_norm_between_backward_and_step_matches_torch(disk_tmp):
     got = model.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
+
+
+def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=3):
+    """Train TinyGPT (state spilling to NVMe) with every chunk update made 20 ms slower, as with a
+    slow disk: backward then runs ahead of the optimizer. Returns the model, the losses, and each
+    move started as (kind, chunk, destination, who): who is "main", or for the optimizer worker
+    the chunk it was updating (None between updates)."""
+    from offload.chunks.store import ChunkStore
+    from offload.engine.stepper import ChunkAdam
+
+    real_update, real_start = ChunkAdam.update, ChunkStore._start_move
+    moves = []
+    updating = [None]       # the chunk the optimizer worker is updating
+
+    def slow_update(self, c, *args):
+        updating[0] = c
+        time.sleep(0.02)
+        try:
+            return real_update(self, c, *args)
+        finally:
+            updating[0] = None
+
+    def start_move(self, rec, src, dst):
+        worker = threading.current_thread().name == "offload-adam"
+        moves.append((rec.key[0], rec.key[1], dst, updating[0] if worker else "main"))
+        return real_start(self, rec, src, dst)
+
+    monkeypatch.setattr(ChunkAdam, "update", slow_update)
+    monkeypatch.setattr(ChunkStore, "_start_move", start_move)
+    torch.manual_seed(0)
+    model = offload.wrap(TinyGPT(), cfg(path, cpu_budget=cpu_budget))
+    assert model.offload_engine.spills and model.offload_engine.layout.num_chunks >= 6
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for i, (x, y) in enumerate(batches(steps)):
+        if i == steps - 1:
+            moves.clear()       # the last step: a trace to follow, nothing left from set-up
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses, moves
+
+
+def test_backward_waits_for_a_slow_optimizer_instead_of_spilling_gradients(disk_tmp, monkeypatch):
+    """Gradients that wait for an optimizer far behind only take the room its state needs, and
+    with state on NVMe they are written down and read back. Backward runs at most the optimizer's
+    read-ahead window ahead, so no gradient chunk goes to NVMe, and training is unchanged."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want = []
+    for x, y in batches(3):
+        loss = ref(x, y)
+        loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        want.append(loss.item())
+    model, got, moves = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "448KiB")
+    assert [m for m in moves if m[0] == "grad" and m[2] == "nvme"] == []
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    model.offload_engine.close()
+
+
+def test_the_optimizer_keeps_reading_ahead_of_its_queue(disk_tmp, monkeypatch):
+    """With backward ahead, the fetches asked for when a chunk was queued may have found no room;
+    the worker asks again for the chunks queued behind the one it takes, so their state is
+    coming while it updates (without this it waited for each chunk's reads in turn)."""
+    # Little enough room that fetches asked for at submission are skipped.
+    model, _, moves = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "256KiB")
+    ahead = [m for m in moves if m[0] in ("exp_avg", "exp_avg_sq") and m[2] == "cpu"
+             and m[3] not in ("main", m[1])]
+    assert ahead, "while updating a chunk, the optimizer worker started no reads for the next ones"
+    model.offload_engine.close()
+
+
+def test_backlog_wait_is_back_pressure_not_a_barrier(disk_tmp):
+    """Should the optimizer ever finish nothing (an update waiting for room only the training
+    thread could free), backward stops waiting for it after the stall time instead of hanging."""
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    adam = model.offload_engine.adam
+    adam._queue = queue.Queue()
+    for _ in range(3):
+        adam._queue.put(None)           # queued, and no worker to take them
+    start = time.perf_counter()
+    adam.wait_backlog(3, stall_s=30.0)  # within the limit: no wait at all
+    assert time.perf_counter() - start < 1.0
+    adam.wait_backlog(1, stall_s=0.05)
+    assert 0.04 <= time.perf_counter() - start < 5.0
+    adam._queue = None
     model.offload_engine.close()
