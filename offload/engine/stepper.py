@@ -231,7 +231,7 @@ class ChunkAdam:
         for i in range(min(self.engine.config.prefetch_depth, len(self._pending))):
             self.prefetch(self._pending[i])
 
-    def wait_backlog(self, limit: int, stall_s: float = BACKLOG_STALL_S) -> None:
+    def wait_backlog(self, limit: int, stall_s: float | None = None) -> None:
         """Wait until at most ``limit`` submitted chunks are still to be updated.
 
         Back-pressure, not a barrier: it also returns when the worker failed (``drain`` reports
@@ -240,6 +240,7 @@ class ChunkAdam:
         """
         if self._queue is None:
             return
+        stall_s = BACKLOG_STALL_S if stall_s is None else stall_s
         with self._progress:
             while self._queue.unfinished_tasks > limit and self._error is None:
                 before = self._finished
