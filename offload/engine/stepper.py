@@ -12,7 +12,7 @@ its first error.
 
 from __future__ import annotations
 
-import collections
+import itertools
 import queue
 import threading
 from dataclasses import dataclass
@@ -93,8 +93,6 @@ class ChunkAdam:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        # Chunks submitted and not yet taken by the worker, in the order it takes them.
-        self._pending: collections.deque[int] = collections.deque()
         self._progress = threading.Condition()      # notified as the worker finishes each chunk
         self._finished = 0
 
@@ -196,7 +194,6 @@ class ChunkAdam:
         # _finish_grad_chunk); these are the next ones backward will complete.
         for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
             self.prefetch(ahead)      # backward completes chunks in reverse order
-        self._pending.append(c)
         self._queue.put((c, runs, grad_scale))
 
     def _run(self) -> None:
@@ -210,7 +207,6 @@ class ChunkAdam:
             try:
                 if item is None:
                     return
-                self._pending.popleft()
                 if self._error is None:
                     self._prefetch_queued()
                     self.update(*item)
@@ -227,9 +223,11 @@ class ChunkAdam:
         # disk), the chunks queued here are the next ones to update: keep their inputs coming.
         # The fetches asked for when they were submitted were skipped if there was no room then,
         # and nothing else would ask again before the update waits for them one by one.
-        # By index: the training thread may append meanwhile, which an iterator would not survive.
-        for i in range(min(self.engine.config.prefetch_depth, len(self._pending))):
-            self.prefetch(self._pending[i])
+        depth = self.engine.config.prefetch_depth
+        with self._queue.mutex:     # the training thread may be queueing more meanwhile
+            queued = [item[0] for item in itertools.islice(self._queue.queue, depth) if item is not None]
+        for c in queued:
+            self.prefetch(c)
 
     def wait_backlog(self, limit: int, stall_s: float | None = None) -> None:
         """Wait until at most ``limit`` submitted chunks are still to be updated.
