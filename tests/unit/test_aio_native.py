@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -82,13 +83,23 @@ def _reap_all(ctx, count: int) -> list:
     return got
 
 
+@contextlib.contextmanager
+def _direct_context(path, flags, depth):
+    """An O_DIRECT descriptor of ``path`` and an AIO context of ``depth``, both closed after."""
+    fd = os.open(path, flags | os.O_DIRECT)
+    ctx = native.AioContext(depth)
+    try:
+        yield fd, ctx
+    finally:
+        ctx.destroy()
+        os.close(fd)
+
+
 @libaio
 def test_aio_context_reports_short_read_as_eio(disk_tmp):
     path = disk_tmp / "short"
     path.write_bytes(b"x" * 4096)
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    ctx = native.AioContext(4)
-    try:
+    with _direct_context(path, os.O_RDWR, 4) as (fd, ctx):
         buf, address = native.buffer_alloc(16384, hugepage=False, populate=True)
         assert ctx.submit([(7, fd, native.IO_READ, address, 0, 16384),
                            (8, fd, native.IO_READ, address, 0, 4096)]) == 2
@@ -97,9 +108,6 @@ def test_aio_context_reports_short_read_as_eio(disk_tmp):
         assert ctx.inflight() == 0
         assert ctx.reap(0, 4, 1_000_000) == []     # timeout: nothing
         assert ctx.submit([(1, fd, 9, address, 0, 4096)]) == -errno.EINVAL   # nothing accepted
-    finally:
-        ctx.destroy()
-        os.close(fd)
 
 
 @libaio
@@ -107,32 +115,22 @@ def test_aio_context_accepts_more_than_its_depth(disk_tmp):
     """The native completion thread feeds a pending list into the kernel as slots free up."""
     path = disk_tmp / "q"
     path.write_bytes(os.urandom(64 * 4096))
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    ctx = native.AioContext(2)
-    try:
+    with _direct_context(path, os.O_RDWR, 2) as (fd, ctx):
         buf, address = native.buffer_alloc(64 * 4096, hugepage=False, populate=True)
         reqs = [(i, fd, native.IO_READ, address + i * 4096, i * 4096, 4096) for i in range(64)]
         assert ctx.submit(reqs) == 64
         got = _reap_all(ctx, 64)
         assert sorted(t for t, _, _ in got) == list(range(64)) and all(r == 4096 for _, r, _ in got)
         assert bytes(buf) == path.read_bytes() and ctx.inflight() == 0
-    finally:
-        ctx.destroy()
-        os.close(fd)
 
 
 @libaio
 def test_aio_context_refused_request_completes_with_its_error(disk_tmp):
     path = disk_tmp / "ro"
     path.write_bytes(bytes(8192))
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    ctx = native.AioContext(4)
-    try:
+    with _direct_context(path, os.O_RDONLY, 4) as (fd, ctx):
         buf, address = native.buffer_alloc(8192, hugepage=False, populate=True)
         assert ctx.submit([(1, fd, native.IO_WRITE, address, 0, 4096),
                            (2, fd, native.IO_READ, address, 4096, 4096)]) == 2
         got = {t: (r, d) for t, r, d in _reap_all(ctx, 2)}
         assert got[1] == (-errno.EBADF, -1) and got[2] == (4096, 4096)
-    finally:
-        ctx.destroy()
-        os.close(fd)
