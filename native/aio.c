@@ -16,6 +16,12 @@
  * merged into larger requests, which the host then serves with less parallelism); reads
  * did not care. The caller still hands over any number in one off_aio_submit.
  *
+ * Two lanes. Urgent requests (off_aio_submit_urgent: data compute is waiting for) go to the
+ * kernel before any background request still pending, and background requests may hold at
+ * most bg_limit of the slots (off_aio_set_background_limit; all of them by default), so an
+ * urgent read queues behind at most that many requests already in the device queue instead
+ * of behind every write and prefetch handed over before it.
+ *
  * Every completion's result is compared with the length asked for: a short transfer becomes
  * -EIO for that request (with the bytes actually moved in `done`), a negative result keeps
  * its errno (done = -1). A request the kernel refuses at submission completes with that
@@ -94,7 +100,12 @@ struct off_aio {
     unsigned long long *tags;   /* caller's cookie per slot */
     int *free_slots;            /* stack of free slot indices */
     int nfree;
-    fifo pending;               /* off_io_req accepted, not yet given to the kernel */
+    fifo pending;               /* background off_io_req accepted, not yet given to the kernel */
+    fifo urgent;                /* urgent ones: given to the kernel first */
+    int bg_limit;               /* most background requests in the kernel at once */
+    int bg_inkernel;
+    char *slot_urgent;          /* per slot: its request came from the urgent lane */
+    char *batch_urgent;         /* per batch entry, the same (submission thread's scratch) */
     fifo done;                  /* off_io_done not yet reaped by the caller */
     long long outstanding;      /* accepted by submit, not yet reaped */
     int closing;
@@ -120,22 +131,42 @@ static void post_done(off_aio *c, unsigned long long tag, long long result, long
     fifo_push(&c->done, &d);
 }
 
-/* Give pending requests to the kernel while slots are free. Called with `lock` held, which it
- * drops around io_submit; only the submission thread calls it. Returns 1 when the kernel said
- * EAGAIN with requests in flight: try again once a completion frees resources. */
+/* Requests the submission thread may give the kernel now (lock held). */
+static long long submittable(const off_aio *c)
+{
+    long long bg = c->bg_limit - c->bg_inkernel;
+    if (bg > c->pending.len)
+        bg = c->pending.len;
+    if (bg < 0)
+        bg = 0;
+    long long n = c->urgent.len + bg;
+    return n < c->nfree ? n : c->nfree;
+}
+
+static int has_pending(const off_aio *c) { return c->pending.len || c->urgent.len; }
+
+/* Give pending requests to the kernel while slots are free, urgent ones first. Called with
+ * `lock` held, which it drops around io_submit; only the submission thread calls it. Returns
+ * 1 when the kernel said EAGAIN with requests in flight: try again once a completion frees
+ * resources. */
 static int pump(off_aio *c)
 {
     int again = 0;
     for (;;) {
-        int k = c->pending.len < c->nfree ? (int)c->pending.len : c->nfree;
+        long long k = submittable(c);
         if (k > c->submit_batch)
             k = c->submit_batch;
         if (k == 0)
             break;
         for (int i = 0; i < k; i++) {
             off_io_req *r = &c->batch_reqs[i];
-            fifo_pop(&c->pending, r);
+            int urgent = c->urgent.len > 0;
+            fifo_pop(urgent ? &c->urgent : &c->pending, r);
+            c->batch_urgent[i] = (char)urgent;
+            if (!urgent)
+                c->bg_inkernel++;
             int slot = c->free_slots[--c->nfree];
+            c->slot_urgent[slot] = (char)urgent;
             struct iocb *cb = &c->cbs[slot];
             if (r->op == OFF_IO_READ)
                 io_prep_pread(cb, r->fd, r->buf, (size_t)r->length, r->offset);
@@ -146,15 +177,18 @@ static int pump(off_aio *c)
             c->batch[i] = cb;
         }
         pthread_mutex_unlock(&c->lock);
-        int rc = io_submit(c->io, k, c->batch);     /* may block: without `lock` */
+        int rc = io_submit(c->io, (long)k, c->batch);     /* may block: without `lock` */
         pthread_mutex_lock(&c->lock);
         int queued = rc > 0 ? rc : 0;
         if (queued)
             pthread_cond_signal(&c->work_cv);
         /* io_submit stops at the first request it cannot queue: slots back, requests back in front. */
-        for (int i = k - 1; i >= queued; i--) {
+        for (int i = (int)k - 1; i >= queued; i--) {
             c->free_slots[c->nfree++] = (int)(c->batch[i] - c->cbs);
-            fifo_push_front(&c->pending, &c->batch_reqs[i]);   /* room: just popped */
+            if (!c->batch_urgent[i])
+                c->bg_inkernel--;
+            /* room: just popped */
+            fifo_push_front(c->batch_urgent[i] ? &c->urgent : &c->pending, &c->batch_reqs[i]);
         }
         if (rc < 0) {
             int inflight = c->depth - c->nfree;
@@ -164,7 +198,7 @@ static int pump(off_aio *c)
             }
             /* The kernel refused this request: it completes with the error, never retried. */
             off_io_req r;
-            fifo_pop(&c->pending, &r);
+            fifo_pop(c->batch_urgent[queued] ? &c->urgent : &c->pending, &r);
             post_done(c, r.tag, rc, -1);
             pthread_cond_broadcast(&c->done_cv);
         }
@@ -178,7 +212,7 @@ static void *completion_thread(void *arg)
     pthread_mutex_lock(&c->lock);
     for (;;) {
         int inkernel = c->depth - c->nfree;
-        if (inkernel == 0 && c->pending.len == 0) {
+        if (inkernel == 0 && !has_pending(c)) {
             if (c->closing)
                 break;
             pthread_cond_wait(&c->work_cv, &c->lock);
@@ -207,9 +241,11 @@ static void *completion_thread(void *arg)
             else
                 post_done(c, c->tags[slot], res, res);
             c->free_slots[c->nfree++] = slot;
+            if (!c->slot_urgent[slot])
+                c->bg_inkernel--;
         }
         pthread_cond_broadcast(&c->done_cv);
-        if (c->pending.len)
+        if (has_pending(c))
             pthread_cond_signal(&c->submit_cv);  /* slots just freed */
     }
     pthread_mutex_unlock(&c->lock);
@@ -224,11 +260,11 @@ static void *submission_thread(void *arg)
     int again = 0;      /* the kernel said EAGAIN: wait for a completion before retrying */
     pthread_mutex_lock(&c->lock);
     for (;;) {
-        if (c->pending.len && c->nfree && !again) {
+        if (submittable(c) && !again) {
             again = pump(c);
             continue;
         }
-        if (c->closing && c->pending.len == 0)
+        if (c->closing && !has_pending(c))
             break;
         pthread_cond_wait(&c->submit_cv, &c->lock);
         again = 0;
@@ -269,7 +305,10 @@ OFF_EXPORT void off_aio_destroy(off_aio *c)
     free(c->batch_reqs);
     free(c->events);
     free(c->pending.items);
+    free(c->urgent.items);
     free(c->done.items);
+    free(c->slot_urgent);
+    free(c->batch_urgent);
     free(c);
 }
 
@@ -283,7 +322,9 @@ OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
         return -ENOMEM;
     c->depth = queue_depth;
     c->submit_batch = submit_batch < queue_depth ? submit_batch : queue_depth;
+    c->bg_limit = queue_depth;
     c->pending.item = sizeof(off_io_req);
+    c->urgent.item = sizeof(off_io_req);
     c->done.item = sizeof(off_io_done);
     size_t n = (size_t)queue_depth;
     c->cbs = calloc(n, sizeof(*c->cbs));
@@ -293,8 +334,11 @@ OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
     c->batch = calloc(n, sizeof(*c->batch));
     c->batch_reqs = calloc(n, sizeof(*c->batch_reqs));
     c->events = calloc(n, sizeof(*c->events));
+    c->slot_urgent = calloc(n, 1);
+    c->batch_urgent = calloc(n, 1);
     if (!c->cbs || !c->lens || !c->tags || !c->free_slots || !c->batch || !c->batch_reqs || !c->events
-        || fifo_grow(&c->pending, queue_depth) || fifo_grow(&c->done, queue_depth)) {
+        || !c->slot_urgent || !c->batch_urgent || fifo_grow(&c->pending, queue_depth)
+        || fifo_grow(&c->urgent, queue_depth) || fifo_grow(&c->done, queue_depth)) {
         off_aio_destroy(c);
         return -ENOMEM;
     }
@@ -332,7 +376,7 @@ OFF_EXPORT int off_aio_create(off_aio **out, int queue_depth, int submit_batch)
     return 0;
 }
 
-OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
+static int submit_to(off_aio *c, const off_io_req *reqs, int n, int urgent)
 {
     if (!c || (n > 0 && !reqs) || n < 0)
         return -EINVAL;
@@ -350,16 +394,38 @@ OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
         return -EBADF;
     }
     /* Room for every completion up front, so the completion thread never has to allocate. */
-    if (fifo_grow(&c->pending, n) || fifo_grow(&c->done, c->outstanding + n - c->done.len)) {
+    fifo *lane = urgent ? &c->urgent : &c->pending;
+    if (fifo_grow(lane, n) || fifo_grow(&c->done, c->outstanding + n - c->done.len)) {
         pthread_mutex_unlock(&c->lock);
         return -ENOMEM;
     }
     for (int i = 0; i < n; i++)
-        fifo_push(&c->pending, &reqs[i]);
+        fifo_push(lane, &reqs[i]);
     c->outstanding += n;
     pthread_cond_signal(&c->submit_cv);
     pthread_mutex_unlock(&c->lock);
     return n;
+}
+
+OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
+{
+    return submit_to(c, reqs, n, 0);
+}
+
+OFF_EXPORT int off_aio_submit_urgent(off_aio *c, const off_io_req *reqs, int n)
+{
+    return submit_to(c, reqs, n, 1);
+}
+
+OFF_EXPORT int off_aio_set_background_limit(off_aio *c, int n)
+{
+    if (!c || n < 1)
+        return -EINVAL;
+    pthread_mutex_lock(&c->lock);
+    c->bg_limit = n < c->depth ? n : c->depth;
+    pthread_cond_signal(&c->submit_cv);     /* a raised limit may free requests to submit */
+    pthread_mutex_unlock(&c->lock);
+    return 0;
 }
 
 OFF_EXPORT int off_aio_reap(off_aio *c, off_io_done *out, int min_nr, int max_nr, long long timeout_ns)
@@ -427,6 +493,16 @@ OFF_EXPORT void off_aio_destroy(off_aio *c) { (void)c; }
 OFF_EXPORT int off_aio_submit(off_aio *c, const off_io_req *reqs, int n)
 {
     (void)c; (void)reqs; (void)n;
+    return -ENOSYS;
+}
+OFF_EXPORT int off_aio_submit_urgent(off_aio *c, const off_io_req *reqs, int n)
+{
+    (void)c; (void)reqs; (void)n;
+    return -ENOSYS;
+}
+OFF_EXPORT int off_aio_set_background_limit(off_aio *c, int n)
+{
+    (void)c; (void)n;
     return -ENOSYS;
 }
 OFF_EXPORT int off_aio_reap(off_aio *c, off_io_done *out, int min_nr, int max_nr, long long timeout_ns)

@@ -128,6 +128,11 @@ void off_aio_destroy(off_aio *ctx);
  * request, -ENOMEM). Each accepted request completes exactly once through off_aio_reap;
  * one the kernel refuses completes with its error. */
 int off_aio_submit(off_aio *ctx, const off_io_req *reqs, int n);
+/* The same for requests something is waiting for: they go to the kernel ahead of every
+ * background request not yet there. */
+int off_aio_submit_urgent(off_aio *ctx, const off_io_req *reqs, int n);
+/* Let background requests hold at most n (>= 1) of the kernel slots (default: all): 0 or -errno. */
+int off_aio_set_background_limit(off_aio *ctx, int n);
 /* Take min_nr..max_nr completions, waiting up to timeout_ns (< 0: forever): count (0 on
  * timeout) or -errno. */
 int off_aio_reap(off_aio *ctx, off_io_done *out, int min_nr, int max_nr, long long timeout_ns);

@@ -69,6 +69,9 @@ class AioConfig:
     """Store a CRC32C per block and verify it on every read."""
     submit_batch: int = 1
     """libaio: most requests per io_submit call (1 measured fastest on virtio, where batches merge)."""
+    background_depth: int = 16
+    """libaio: most background requests (writes, optimizer-state prefetch) in the kernel at once, so a
+    read compute waits for queues behind at most this many; 0 for no limit."""
 
     def __post_init__(self) -> None:
         _choice(self.backend, "aio.backend", AIO_BACKENDS)
@@ -84,6 +87,7 @@ class AioConfig:
         if not isinstance(self.checksum, bool):
             raise ConfigError("aio.checksum", self.checksum, "expected true or false")
         _int_in(self.submit_batch, "aio.submit_batch", 1, 65536)
+        _int_in(self.background_depth, "aio.background_depth", 0, 65536)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

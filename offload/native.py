@@ -190,7 +190,12 @@ class AioContext:
         self._ffi, self._lib, self._ctx, self.depth = ffi, lib, out[0], depth
         self._done = ffi.new("off_io_done[]", self.REAP_BATCH)
 
-    def submit(self, reqs) -> int:
+    def set_background_limit(self, n: int) -> int:
+        """Let background requests hold at most ``n`` (>= 1) of the kernel slots: 0 or -errno."""
+        return int(self._lib.off_aio_set_background_limit(self._ctx, n))
+
+    def submit(self, reqs, urgent: bool = False) -> int:
+        """``urgent`` requests go to the kernel ahead of every background one still pending."""
         n = len(reqs)
         if n == 0:
             return 0
@@ -199,7 +204,8 @@ class AioContext:
         for r, (tag, fd, op, address, offset, length) in zip(arr, reqs):
             r.tag, r.fd, r.op, r.offset, r.length = tag, fd, op, offset, length
             r.buf = cast("void *", address)
-        return int(self._lib.off_aio_submit(self._ctx, arr, n))
+        submit = self._lib.off_aio_submit_urgent if urgent else self._lib.off_aio_submit
+        return int(submit(self._ctx, arr, n))
 
     def reap(self, min_nr: int, max_nr: int, timeout_ns: int):
         """Completions as a list, or an int -errno when reaping itself failed."""

@@ -79,7 +79,7 @@ class AsyncIO:
         if self.backend == "libaio":
             try:
                 self._libaio = LibaioBackend(self.config.queue_depth, self.config.threads,
-                                             self.config.submit_batch)
+                                             self.config.submit_batch, self.config.background_depth)
             except NvmeIOError as exc:
                 if self.config.backend == "libaio":
                     raise ConfigError("aio.backend", "libaio", f"no AIO context: {exc}") from None
@@ -101,9 +101,13 @@ class AsyncIO:
         """
         return self._start(native.IO_WRITE, tensor, path, offset)
 
-    def read_into(self, tensor: torch.Tensor, path: PathLike, offset: int = 0) -> Handle:
-        """Start reading ``tensor``'s byte size from ``path`` at byte ``offset`` into ``tensor``."""
-        return self._start(native.IO_READ, tensor, path, offset)
+    def read_into(self, tensor: torch.Tensor, path: PathLike, offset: int = 0, *, urgent: bool = False) -> Handle:
+        """Start reading ``tensor``'s byte size from ``path`` at byte ``offset`` into ``tensor``.
+
+        ``urgent``: something will wait for these bytes soon (libaio: they pass background
+        requests not yet in the kernel; see ``AioConfig.background_depth``).
+        """
+        return self._start(native.IO_READ, tensor, path, offset, urgent)
 
     def wait(self, handles: Handle | Iterable[Handle], timeout: float | None = None) -> int:
         """Wait for every handle, then raise the first failure (``NvmeIOError``); returns bytes moved.
@@ -169,7 +173,7 @@ class AsyncIO:
             pass
 
     # ---- internals ---------------------------------------------------------------------
-    def _start(self, op: int, tensor: torch.Tensor, path: PathLike, offset: int) -> Handle:
+    def _start(self, op: int, tensor: torch.Tensor, path: PathLike, offset: int, urgent: bool = False) -> Handle:
         name = repr(path) if isinstance(path, StripedFile) else os.fspath(path)
         nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
@@ -228,7 +232,7 @@ class AsyncIO:
                 (direct_pieces if direct else thread_pieces).append(piece)
             handle._expect(len(direct_pieces) + len(thread_pieces))
             if direct_pieces:
-                self._libaio.submit(direct_pieces)
+                self._libaio.submit(direct_pieces, urgent)
             if thread_pieces:
                 self._thread_backend().submit(thread_pieces)
         return handle

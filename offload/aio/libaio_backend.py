@@ -20,8 +20,10 @@ REAP_TIMEOUT_NS = 100_000_000   # 100 ms: how often an idle collector looks at t
 
 
 class _Ring:
-    def __init__(self, depth: int, submit_batch: int, name: str):
+    def __init__(self, depth: int, submit_batch: int, name: str, background_depth: int):
         self.ctx = native.AioContext(depth, submit_batch)
+        if background_depth:
+            self.ctx.set_background_limit(background_depth)
         self._lock = threading.Lock()
         self._inflight: dict[int, Piece] = {}
         self._tags = itertools.count(1)
@@ -29,12 +31,12 @@ class _Ring:
         self._thread = threading.Thread(target=self._collect, name=name, daemon=True)
         self._thread.start()
 
-    def enqueue(self, pieces: list[Piece]) -> None:
+    def enqueue(self, pieces: list[Piece], urgent: bool = False) -> None:
         with self._lock:
             tagged = [(next(self._tags), p) for p in pieces]
             # Registered before submitting: a completion may arrive before submit returns.
             self._inflight.update(tagged)
-            rc = self.ctx.submit([(t, p.fd, p.op, p.address, p.offset, p.length) for t, p in tagged])
+            rc = self.ctx.submit([(t, p.fd, p.op, p.address, p.offset, p.length) for t, p in tagged], urgent)
             if rc < 0:
                 for t, _ in tagged:
                     del self._inflight[t]
@@ -83,26 +85,28 @@ class LibaioBackend:
     name = "libaio"
     direct = True
 
-    def __init__(self, queue_depth: int, threads: int, submit_batch: int = 1):
+    def __init__(self, queue_depth: int, threads: int, submit_batch: int = 1, background_depth: int = 0):
         self._rings: list[_Ring] = []
         try:
             for i in range(threads):
-                self._rings.append(_Ring(queue_depth, submit_batch, f"offload-aio-{i}"))
+                self._rings.append(_Ring(queue_depth, submit_batch, f"offload-aio-{i}", background_depth))
         except BaseException:
             self.close()
             raise
         self._next = 0
 
-    def submit(self, pieces: list[Piece]) -> None:
+    def submit(self, pieces: list[Piece], urgent: bool = False) -> None:
+        """Queue ``pieces``; ``urgent`` ones (data compute waits for) pass every background one
+        not yet in the kernel."""
         n = len(self._rings)
         if n == 1:
-            self._rings[0].enqueue(pieces)
+            self._rings[0].enqueue(pieces, urgent)
             return
         start, self._next = self._next, (self._next + len(pieces)) % n
         for i, ring in enumerate(self._rings):
             share = pieces[(i - start) % n::n]
             if share:
-                ring.enqueue(share)
+                ring.enqueue(share, urgent)
 
     def close(self) -> None:
         """Wait for every request queued so far, then free the contexts."""

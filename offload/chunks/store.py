@@ -80,6 +80,9 @@ class ChunkStore:
         if "nvme" in self.tiers and self.order[-1] != "nvme":
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
+        # Kinds whose NVMe reads compute waits for (the engine's parameters): they pass the
+        # background traffic (write-backs, optimizer state) queued before them.
+        self.urgent_kinds: frozenset[str] = frozenset()
         # Other names callers may use for a tier: with no GPU, the engine's "device" and "cpu"
         # are one tier of host memory (see OffloadEngine).
         self.aliases = dict(aliases or {})
@@ -447,7 +450,7 @@ class ChunkStore:
                 return rec.incoming[dst][1] if dst in rec.incoming else Move(src, dst, 0, None)
             version = rec.version
             if src == "nvme":
-                move = self.tiers["nvme"].read(rec.slot, buf, dst)
+                move = self.tiers["nvme"].read(rec.slot, buf, dst, urgent=rec.key[0] in self.urgent_kinds)
             else:
                 move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
 

@@ -98,9 +98,9 @@ class NvmeTier:
         handle = self.aio.write_from(src, slot.file, slot.offset)
         return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
-    def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu") -> Move:
-        """Start reading ``slot`` into the aligned host buffer ``dst``."""
-        handle = self.aio.read_into(dst, slot.file, slot.offset)
+    def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu", *, urgent: bool = False) -> Move:
+        """Start reading ``slot`` into the aligned host buffer ``dst`` (``urgent``: see ``AsyncIO.read_into``)."""
+        handle = self.aio.read_into(dst, slot.file, slot.offset, urgent=urgent)
         return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def close(self, remove: bool = True) -> None:

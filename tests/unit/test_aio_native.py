@@ -134,3 +134,39 @@ def test_aio_context_refused_request_completes_with_its_error(disk_tmp):
                            (2, fd, native.IO_READ, address, 4096, 4096)]) == 2
         got = {t: (r, d) for t, r, d in _reap_all(ctx, 2)}
         assert got[1] == (-errno.EBADF, -1) and got[2] == (4096, 4096)
+
+
+@libaio
+def test_urgent_requests_pass_queued_background_ones(disk_tmp):
+    """With background requests limited to one kernel slot, an urgent read submitted behind 32
+    of them is in the kernel after at most that one: it completes among the first few."""
+    block, count = 1 << 20, 32
+    path = disk_tmp / "lanes"
+    path.write_bytes(os.urandom((count + 1) * block))
+    with _direct_context(path, os.O_RDONLY, 4) as (fd, ctx):
+        assert ctx.set_background_limit(0) == -errno.EINVAL
+        assert ctx.set_background_limit(1) == 0
+        buf, address = native.buffer_alloc((count + 1) * block, hugepage=False, populate=True)
+        background = [(i, fd, native.IO_READ, address + i * block, i * block, block) for i in range(count)]
+        assert ctx.submit(background) == count
+        assert ctx.submit([(count, fd, native.IO_READ, address + count * block, count * block, block)],
+                          urgent=True) == 1
+        got = _reap_all(ctx, count + 1)
+        order = [t for t, _, _ in got]
+        assert order.index(count) <= 2, order        # behind at most the background one in the kernel
+        assert sorted(order) == list(range(count + 1)) and all(r == block for _, r, _ in got)
+        assert bytes(buf) == path.read_bytes() and ctx.inflight() == 0
+
+
+@libaio
+def test_urgent_request_refused_by_the_kernel_completes_with_its_error(disk_tmp):
+    path = disk_tmp / "ro-lanes"
+    path.write_bytes(bytes(16 * 4096))
+    with _direct_context(path, os.O_RDONLY, 2) as (fd, ctx):
+        ctx.set_background_limit(1)
+        buf, address = native.buffer_alloc(16 * 4096, hugepage=False, populate=True)
+        assert ctx.submit([(i, fd, native.IO_READ, address + i * 4096, i * 4096, 4096) for i in range(8)]) == 8
+        assert ctx.submit([(99, fd, native.IO_WRITE, address, 0, 4096)], urgent=True) == 1
+        got = {t: (r, d) for t, r, d in _reap_all(ctx, 9)}
+        assert got[99] == (-errno.EBADF, -1)
+        assert all(got[i] == (4096, 4096) for i in range(8)) and ctx.inflight() == 0
