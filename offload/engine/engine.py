@@ -78,6 +78,7 @@ class OffloadEngine:
             tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
         self.store = ChunkStore(tiers, self.policy, aliases=aliases)
         self.store.tracer = self.tracer
+        self.store.urgent_kinds = frozenset({"param"})
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
                                     on_unpinned=self._on_unpinned, tracer=self.tracer)
@@ -112,6 +113,10 @@ class OffloadEngine:
         self._bwd_reset()
         self._install_hooks()
         self.step_count = 0
+        self.park_count = 0             # see _chunks_to_park
+        self.parked: set[int] = set()   # the last chunks parked, still being watched in the next forward
+        self.fwd_tail_wait_s = 0.0
+        self.fwd_wait_start = 0.0
         self.saved = SavedParameterViews(self.params, self.device)
         self.last_stats: dict = {}
         self._closed = False
@@ -254,6 +259,7 @@ class OffloadEngine:
                 self.saved.enter()
         chunks = self.module_chunks[module]
         for c in chunks:
+            self._await_update(c)
             self.params.pin(c)
         if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
@@ -309,8 +315,25 @@ class OffloadEngine:
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
         self.prefetcher.begin_iteration()
+        self.fwd_tail_wait_s = 0.0
+        self.fwd_wait_start = self.tracer.totals["wait"]
         if isinstance(self.policy, NextUsePolicy):
             self.policy.set_trace(self.prefetcher.trace)
+
+    def _await_update(self, c: int) -> None:
+        # The update of a chunk may still be running from the last step (optimizer.step() does
+        # not wait for it): its parameters are new only once it is done.
+        if self.adam.pending(c):
+            started = time.perf_counter()
+            with self.tracer.span(f"await update {c}", "wait", chunk=c):
+                self.adam.wait_for(c)
+            if not self.in_backward and c not in self.parked:
+                self.fwd_tail_wait_s += time.perf_counter() - started
+
+    def _deadline(self, c: int) -> float:
+        """When the next iteration first uses chunk ``c`` (trace position; chunk order before a trace)."""
+        trace = self.prefetcher.trace
+        return trace.next_use(("param", c), 0) if trace is not None else float(c)
 
     def _on_pin(self, c: int, hit: bool) -> None:
         self.prefetcher.record_hit(hit)
@@ -318,6 +341,8 @@ class OffloadEngine:
         if isinstance(self.policy, NextUsePolicy):
             self.policy.position = self.prefetcher.position
         for key in upcoming:
+            if key[0] == "param" and self.adam.pending(key[1]):
+                continue        # its update writes the new values in memory; a read now would be stale
             self.store.prefetch(key, "device")
 
     # ---- backward ----------------------------------------------------------------------
@@ -325,6 +350,7 @@ class OffloadEngine:
         if not self.in_backward:
             self._begin_backward()
         for c in self.module_chunks[module]:
+            self._await_update(c)
             self.params.pin(c)
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
@@ -338,6 +364,7 @@ class OffloadEngine:
                       and self.optimizer.max_grad_norm is None and final_micro_batch)
         if self.eager:
             self._refresh_hypers()
+            self.park = self._chunks_to_park() if self.spills else set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -349,6 +376,7 @@ class OffloadEngine:
         c = ref.slot.chunk
         if c not in self.grad_views:
             key = ("grad", c)
+            self._await_update(c)       # the last step's update still holds this chunk's gradients
             if self.eager and self.spills:
                 # Backward may run ahead of the optimizer by its read-ahead window, no further:
                 # gradients waiting beyond it only take the room the state being read needs,
@@ -404,6 +432,8 @@ class OffloadEngine:
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True
+            if c in self.park:
+                return      # queued when backward ends, to run while the next forward runs
             # Its update comes soon: start fetching the optimizer state, and keep the gradient
             # (which the trace does not show) from being evicted to make room meanwhile.
             self.adam.prefetch(c)
@@ -437,8 +467,9 @@ class OffloadEngine:
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
         self.params.unpin_all()
-        for c in sorted(self.ready):
+        for c in sorted(self.ready | (self.park & self.grad_chunks)):
             self._submit(c)
+        self.adam.reorder(self._deadline)
         self.micro_batches += 1
         self._bwd_reset()
 
@@ -461,6 +492,7 @@ class OffloadEngine:
     def _bwd_reset(self) -> None:
         self.in_backward = False
         self.eager = False
+        self.park: set[int] = set()
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
         self.bwd_started: dict[nn.Module, float] = {}
@@ -494,6 +526,34 @@ class OffloadEngine:
         groups = [hyper_of(g) for g in self.optimizer.param_groups]
         self._hyper_of = {i: groups[gi] for i, gi in self._group_of.items()}
 
+    def _chunks_to_park(self) -> set[int]:
+        """The chunks whose updates wait for the end of backward and then overlap the next forward.
+
+        When the disk bounds the optimizer, backward outruns it and waits (``wait_backlog``),
+        while during forward the disk only reads parameters. The chunks backward finishes first
+        are the ones the next forward uses last: their updates can run while that forward runs,
+        and backward, with fewer updates ahead of it, waits less. How many is learned step by
+        step: one more when the worker sat idle for an update's time before forward ended, fewer
+        when forward had to wait for one.
+        """
+        trace = self.prefetcher.trace
+        if trace is None:
+            return set()
+        u = self.adam.update_s
+        stall = self.tracer.totals["wait"] - self.fwd_wait_start - self.fwd_tail_wait_s
+        if u > 0:
+            if stall > u:
+                self.park_count -= 1
+            else:
+                self.park_count += int(self.adam.idle_s() / (2 * u))
+        self.park_count = min(max(self.park_count, 0), self.layout.num_chunks // 2)
+        if self.park_count == 0:
+            self.parked = set()
+            return self.parked
+        by_deadline = sorted(range(self.layout.num_chunks), key=self._deadline)
+        self.parked = set(by_deadline[-self.park_count:])
+        return self.parked
+
     def _runs(self, c: int):
         return self.adam.runs(c, self.with_grad, self._hyper_of)
 
@@ -508,7 +568,12 @@ class OffloadEngine:
         """Finish this window's update; returns False when an fp16 overflow skipped it."""
         if self.optimizer is None:
             raise OffloadError("no offload optimizer is attached to this model")
-        self.adam.drain()
+        if self.window_applied and not (self.grad_chunks - self.updated_chunks):
+            # Every chunk's update is queued already: those still running finish while the next
+            # forward runs, each before that forward first uses its chunk (_await_update).
+            self.adam.raise_error()
+        else:
+            self.adam.drain()
         applied = True
         max_norm = self.optimizer.max_grad_norm or self.optimizer.clip_this_step
         norm = self.grad_norm() if self.scaler is not None or max_norm is not None else 0.0
@@ -532,7 +597,9 @@ class OffloadEngine:
             self.step_count += 1
         if self.scaler is not None:
             self.scaler.update(overflow)
-        self.policy.hints.clear()
+        with self.store.lock:
+            # Hints of chunks whose update is still queued hold until it runs (then it accesses them).
+            self.policy.hints = {k: v for k, v in self.policy.hints.items() if self.adam.pending(k[1])}
         self._finish_step_stats(applied)
         if applied:
             # The update consumed this window's gradients: the next backward starts from zero,
@@ -547,14 +614,14 @@ class OffloadEngine:
     def zero_grad(self) -> None:
         if self.in_backward and not self._autograd_running():
             self._abort_backward()
-        self.adam.drain()
+        self.adam.raise_error()
         self._release_grads()
         self._reset_window()
 
     def _release_grads(self) -> None:
         for c in range(self.layout.num_chunks):
             rec = self.store.records[("grad", c)]
-            if rec.state is not ChunkState.FREE:
+            if rec.state is not ChunkState.FREE and not self.adam.pending(c):   # a queued update frees its own
                 self.store.release_storage(("grad", c))
 
     # ---- statistics --------------------------------------------------------------------------

@@ -12,9 +12,11 @@ its first error.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +92,15 @@ class ChunkAdam:
         self.store = engine.store
         self.threads = threads
         self.steps = [0] * len(engine.params.params)     # per parameter, as torch counts them
-        self._queue: queue.Queue | None = None
+        self._queue: queue.PriorityQueue | None = None
+        self._order = itertools.count()             # ties between equal deadlines go first come, first served
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         self._progress = threading.Condition()      # notified as the worker finishes each chunk
         self._finished = 0
+        self._pending: set[int] = set()             # chunks submitted and not yet updated (under _progress)
+        self._idle_since: float | None = None       # when the worker last ran out of work
+        self.update_s = 0.0                         # moving average of one queued update's wall time
 
     # ---- one chunk -------------------------------------------------------------
     def runs(self, c: int, with_grad: set[int], groups: dict[int, Hyper]) -> list[tuple[int, int, Hyper, int]]:
@@ -186,15 +192,55 @@ class ChunkAdam:
 
     # ---- the worker -------------------------------------------------------------------------
     def submit(self, c: int, runs, grad_scale: float) -> None:
+        """Queue chunk ``c``'s update; the worker takes chunks in the order queued until ``reorder``."""
         if self._worker is None:
-            self._queue = queue.Queue()
+            self._queue = queue.PriorityQueue()
             self._worker = threading.Thread(target=self._run, name="offload-adam", daemon=True)
             self._worker.start()
         # Chunk c's own inputs were asked for when its gradients completed (the engine's
         # _finish_grad_chunk); these are the next ones backward will complete.
         for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
             self.prefetch(ahead)      # backward completes chunks in reverse order
-        self._queue.put((c, runs, grad_scale))
+        with self._progress:
+            self._pending.add(c)
+            self._idle_since = None
+        self._queue.put((0.0, next(self._order), c, runs, grad_scale))
+
+    def reorder(self, deadline) -> None:
+        """From now on take the queued chunks by earliest ``deadline(c)`` first.
+
+        Called when backward ends. Until then first come, first served keeps the chunks whose
+        inputs were fetched first from waiting behind newer ones. After it, what is still queued
+        races the next forward, which needs its chunks in the order it uses them.
+        """
+        if self._queue is None:
+            return
+        with self._queue.mutex:
+            heap = self._queue.queue
+            heap[:] = [(deadline(item[2]) if item[2] is not None else item[0], *item[1:]) for item in heap]
+            heapq.heapify(heap)
+
+    def pending(self, c: int) -> bool:
+        """Whether chunk ``c`` has an update queued or running (its parameters are not yet new)."""
+        return c in self._pending
+
+    def wait_for(self, c: int) -> None:
+        """Wait until chunk ``c``'s queued update is done; re-raises the worker's error."""
+        with self._progress:
+            while c in self._pending and self._error is None:
+                self._progress.wait()
+        if self._error is not None:
+            self.drain()
+
+    def idle_s(self) -> float:
+        """How long the worker has had nothing queued (0 while it has)."""
+        since = self._idle_since
+        return 0.0 if since is None else time.perf_counter() - since
+
+    def raise_error(self) -> None:
+        """Re-raise the worker's first error now, without waiting for its queue."""
+        if self._error is not None:
+            self.drain()
 
     def _run(self) -> None:
         # The kernel runs on its own pthreads; the few torch ops here stay on this thread. Letting
@@ -203,18 +249,24 @@ class ChunkAdam:
         # training thread pays a sleep and a wake-up (in memory, steps took 1.3x as long).
         torch.set_num_threads(1)
         while True:
-            item = self._queue.get()
+            _, _, c, runs, grad_scale = self._queue.get()
             try:
-                if item is None:
+                if c is None:
                     return
                 if self._error is None:
+                    started = time.perf_counter()
                     self._prefetch_queued()
-                    self.update(*item)
+                    self.update(c, runs, grad_scale)
+                    took = time.perf_counter() - started
+                    self.update_s = took if self.update_s == 0 else 0.8 * self.update_s + 0.2 * took
             except BaseException as exc:  # re-raised in the training thread by drain()
                 self._error = exc
             finally:
                 self._queue.task_done()
                 with self._progress:
+                    self._pending.discard(c)
+                    if not self._pending:
+                        self._idle_since = time.perf_counter()
                     self._finished += 1
                     self._progress.notify_all()
 
@@ -225,7 +277,7 @@ class ChunkAdam:
         # and nothing else would ask again before the update waits for them one by one.
         depth = self.engine.config.prefetch_depth
         with self._queue.mutex:     # the training thread may be queueing more meanwhile
-            queued = [item[0] for item in itertools.islice(self._queue.queue, depth) if item is not None]
+            queued = [item[2] for item in heapq.nsmallest(depth, self._queue.queue) if item[2] is not None]
         for c in queued:
             self.prefetch(c)
 
@@ -240,7 +292,7 @@ class ChunkAdam:
             return
         stall_s = BACKLOG_STALL_S if stall_s is None else stall_s
         with self._progress:
-            while self._queue.unfinished_tasks > limit and self._error is None:
+            while len(self._pending) > limit and self._error is None:
                 before = self._finished
                 self._progress.wait(stall_s)
                 if self._finished == before:
@@ -257,6 +309,6 @@ class ChunkAdam:
 
     def close(self) -> None:
         if self._worker is not None:
-            self._queue.put(None)
+            self._queue.put((float("inf"), next(self._order), None, None, None))
             self._worker.join(timeout=30)
             self._worker = None

@@ -179,6 +179,7 @@ def test_a_forward_or_backward_that_raises_releases_what_it_held(disk_tmp):
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
+    model.offload_engine.adam.drain()       # the last updates may still be running
     states = model.offload_engine.store.memory_report()["chunk_states"]
     assert "COMPUTE" not in states and model.offload_stats()["step"] == 2
     model.offload_engine.close()
@@ -242,31 +243,38 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     assert model.offload_engine.spills and model.offload_engine.layout.num_chunks >= 6
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     losses = []
+    model.pending_after_step = []       # chunks whose update was still queued when step() returned
     for i, (x, y) in enumerate(batches(steps)):
         if i == 2:
             moves.clear()       # from the third step: a trace to follow, nothing left from set-up
         loss = model(x, y)
         loss.backward()
         opt.step()
+        model.pending_after_step.append(set(model.offload_engine.adam._pending))
         opt.zero_grad()
         losses.append(loss.item())
     return model, losses, moves
+
+
+def _torch_losses(steps=4):
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want = []
+    for x, y in batches(steps):
+        loss = ref(x, y)
+        loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        want.append(loss.item())
+    return ref, want
 
 
 def test_backward_waits_for_a_slow_optimizer_instead_of_spilling_gradients(disk_tmp, monkeypatch):
     """Gradients that wait for an optimizer far behind only take the room its state needs, and
     with state on NVMe they are written down and read back. Backward runs at most the optimizer's
     read-ahead window ahead, so no gradient chunk goes to NVMe, and training is unchanged."""
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    want = []
-    for x, y in batches(4):
-        loss = ref(x, y)
-        loss.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        want.append(loss.item())
+    _, want = _torch_losses()
     model, got, moves = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
     assert [m for m in moves if m[0] == "grad" and m[2] == "nvme"] == []
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
@@ -290,13 +298,105 @@ def test_backlog_wait_is_back_pressure_not_a_barrier(disk_tmp):
     thread could free), backward stops waiting for it after the stall time instead of hanging."""
     model = offload.wrap(TinyGPT(), cfg(disk_tmp))
     adam = model.offload_engine.adam
-    adam._queue = queue.Queue()
-    for _ in range(3):
-        adam._queue.put(None)           # queued, and no worker to take them
+    adam._queue = queue.PriorityQueue()
+    adam._pending.update({0, 1, 2})     # queued, and no worker to take them
     start = time.perf_counter()
     adam.wait_backlog(3, stall_s=30.0)  # within the limit: no wait at all
     assert time.perf_counter() - start < 1.0
     adam.wait_backlog(1, stall_s=0.05)
     assert 0.04 <= time.perf_counter() - start < 5.0
     adam._queue = None
+    adam._pending.clear()
+    model.offload_engine.close()
+
+
+def test_updates_still_queued_at_step_finish_before_the_next_forward_uses_them(disk_tmp, monkeypatch):
+    """optimizer.step() does not wait for the updates still queued: they run on while the next
+    forward starts, and each chunk's forward waits for its own. zero_grad() in between leaves
+    their gradients alone. Losses and final parameters equal torch's AdamW."""
+    ref, want = _torch_losses()
+    model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
+    assert any(model.pending_after_step), "every update had finished when step() returned"
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    state = model.state_dict()          # waits for whatever is still queued
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
+
+
+def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp, monkeypatch):
+    """Half the chunks (those the next forward uses last) parked every step: their updates wait
+    for backward to end and overlap the next forward. The numbers are torch's."""
+    from offload.engine.engine import OffloadEngine
+
+    def park_half(self):
+        order = sorted(range(self.layout.num_chunks), key=self._deadline)
+        self.parked = set(order[len(order) // 2:]) if self.prefetcher.trace is not None else set()
+        return self.parked
+
+    monkeypatch.setattr(OffloadEngine, "_chunks_to_park", park_half)
+    ref, want = _torch_losses()
+    model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
+    engine = model.offload_engine
+    assert engine.parked and any(p & engine.parked for p in model.pending_after_step[1:])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    state = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp):
+    """The number of parked chunks grows by the updates that would have fit while the worker sat
+    idle before forward ended, shrinks by one when forward stalled longer than an update, stays
+    within half the chunks, and the parked ones are those the next forward uses last."""
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp, cpu_budget="544KiB"))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    for x, y in batches(2):             # a trace to follow
+        model(x, y).backward()
+        opt.step()
+    engine = model.offload_engine
+    engine.adam.drain()
+    engine.adam.update_s = 0.01
+    assert engine.layout.num_chunks >= 8
+    engine.park_count = 0
+    engine.adam._idle_since = time.perf_counter() - 0.065    # idle for 6.5 updates' time: 3 more
+    engine.fwd_wait_start, engine.fwd_tail_wait_s = engine.tracer.totals["wait"], 0.0
+    parked = engine._chunks_to_park()
+    assert engine.park_count == 3 and len(parked) == 3
+    last = sorted(range(engine.layout.num_chunks), key=engine._deadline)[-len(parked):]
+    assert parked == set(last)
+    before = engine.park_count
+    engine.fwd_wait_start = engine.tracer.totals["wait"] - 0.05      # forward stalled 50 ms
+    engine._chunks_to_park()
+    assert engine.park_count == before - 1
+    engine.adam._idle_since = time.perf_counter() - 100.0
+    engine.fwd_wait_start = engine.tracer.totals["wait"]
+    engine._chunks_to_park()
+    assert engine.park_count == engine.layout.num_chunks // 2
+    engine.close()
+
+
+def test_updates_left_when_backward_ends_go_in_next_forward_order(disk_tmp, monkeypatch):
+    """While backward runs the worker takes chunks first come, first served; what is still
+    queued when it ends is taken in the order the next forward uses the chunks."""
+    from offload.engine.stepper import ChunkAdam
+
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    adam = model.offload_engine.adam
+    gate, order = threading.Event(), []
+
+    def record(self, c, runs, scale):
+        order.append(c)
+        gate.wait(10)
+
+    monkeypatch.setattr(ChunkAdam, "update", record)
+    for c in (5, 4, 3, 2):
+        adam.submit(c, [], 1.0)
+    while not order:                    # the worker holds chunk 5
+        time.sleep(0.001)
+    adam.reorder(lambda c: {4: 2.0, 3: 0.0, 2: 1.0}[c])
+    gate.set()
+    adam.drain()
+    assert order == [5, 3, 2, 4]
     model.offload_engine.close()
