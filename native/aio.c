@@ -395,7 +395,10 @@ static int submit_to(off_aio *c, const off_io_req *reqs, int n, int urgent)
     }
     /* Room for every completion up front, so the completion thread never has to allocate. */
     fifo *lane = urgent ? &c->urgent : &c->pending;
-    if (fifo_grow(lane, n) || fifo_grow(&c->done, c->outstanding + n - c->done.len)) {
+    /* Room for submit_batch more than n: pump pops up to that many, drops the lock, and pushes
+     * back what the kernel did not take; submissions meanwhile must leave it that room. */
+    if (fifo_grow(lane, (long long)n + c->submit_batch)
+        || fifo_grow(&c->done, c->outstanding + n - c->done.len)) {
         pthread_mutex_unlock(&c->lock);
         return -ENOMEM;
     }

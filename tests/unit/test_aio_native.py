@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -75,11 +76,13 @@ def test_pio_round_trip_and_eof(tmp_path):
         os.close(fd)
 
 
-def _reap_all(ctx, count: int) -> list:
-    """Reap until ``count`` completions (tag, result, done) have come back."""
-    got = []
+def _reap_all(ctx, count: int, timeout_s: float = 30.0) -> list:
+    """Reap until ``count`` completions (tag, result, done) have come back; fail (not hang) when
+    they have not after ``timeout_s``."""
+    got, deadline = [], time.monotonic() + timeout_s
     while len(got) < count:
-        got += ctx.reap(1, count, 5_000_000_000)
+        assert time.monotonic() < deadline, f"{len(got)} of {count} completions after {timeout_s} s"
+        got += ctx.reap(1, count, 1_000_000_000)
     return got
 
 
@@ -138,9 +141,10 @@ def test_aio_context_refused_request_completes_with_its_error(disk_tmp):
 
 @libaio
 def test_urgent_requests_pass_queued_background_ones(disk_tmp):
-    """With background requests limited to one kernel slot, an urgent read submitted behind 32
-    of them is in the kernel after at most that one: it completes among the first few."""
-    block, count = 1 << 20, 32
+    """With background requests limited to one kernel slot, an urgent read submitted behind 64
+    of them passes all those not yet in the kernel: it completes well before the last of them
+    (the bound leaves the test thread ~15 ms between its two submissions on a loaded box)."""
+    block, count = 1 << 20, 64
     path = disk_tmp / "lanes"
     path.write_bytes(os.urandom((count + 1) * block))
     with _direct_context(path, os.O_RDONLY, 4) as (fd, ctx):
@@ -153,7 +157,7 @@ def test_urgent_requests_pass_queued_background_ones(disk_tmp):
                           urgent=True) == 1
         got = _reap_all(ctx, count + 1)
         order = [t for t, _, _ in got]
-        assert order.index(count) <= 2, order        # behind at most the background one in the kernel
+        assert order.index(count) < count // 2, order    # without the lane it comes last
         assert sorted(order) == list(range(count + 1)) and all(r == block for _, r, _ in got)
         assert bytes(buf) == path.read_bytes() and ctx.inflight() == 0
 
@@ -170,3 +174,29 @@ def test_urgent_request_refused_by_the_kernel_completes_with_its_error(disk_tmp)
         got = {t: (r, d) for t, r, d in _reap_all(ctx, 9)}
         assert got[99] == (-errno.EBADF, -1)
         assert all(got[i] == (4096, 4096) for i in range(8)) and ctx.inflight() == 0
+
+
+@libaio
+def test_lanes_mixed_in_partly_accepted_batches_all_complete(disk_tmp):
+    """Batches of 4 per io_submit mixing both lanes, with a request the kernel refuses among them
+    (a write on a read-only descriptor): io_submit takes part of a batch, the rest goes back to
+    its lane, the refused one completes with its error, every other one with its bytes."""
+    path = disk_tmp / "mixed"
+    path.write_bytes(os.urandom(64 * 4096))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    ctx = native.AioContext(8, 4)
+    try:
+        ctx.set_background_limit(3)
+        buf, address = native.buffer_alloc(64 * 4096, hugepage=False, populate=True)
+        reads = [(i, fd, native.IO_READ, address + i * 4096, i * 4096, 4096) for i in range(64)]
+        bad = [(100 + i, fd, native.IO_WRITE, address, 0, 4096) for i in range(3)]
+        assert ctx.submit(reads[:32]) == 32
+        assert ctx.submit([reads[32], bad[0], reads[33], bad[1]], urgent=True) == 4
+        assert ctx.submit(reads[34:48] + [bad[2]] + reads[48:]) == 31
+        got = {t: (r, d) for t, r, d in _reap_all(ctx, 67)}
+        assert all(got[100 + i] == (-errno.EBADF, -1) for i in range(3))
+        assert all(got[i] == (4096, 4096) for i in range(64)) and ctx.inflight() == 0
+        assert bytes(buf) == path.read_bytes()
+    finally:
+        ctx.destroy()
+        os.close(fd)
