@@ -37,6 +37,10 @@ from .stepper import ChunkAdam, LossScaler, ScaleGrad, hyper_of
 
 
 
+# Most chunks one step adds to the parked count (see _chunks_to_park).
+PARK_GROWTH = 4
+
+
 class OffloadEngine:
     def __init__(self, model: nn.Module, config: OffloadConfig):
         self.model = model
@@ -117,6 +121,7 @@ class OffloadEngine:
         self.parked: set[int] = set()   # the last chunks parked, still being watched in the next forward
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = 0.0
+        self.fwd_started = time.perf_counter()
         self.saved = SavedParameterViews(self.params, self.device)
         self.last_stats: dict = {}
         self._closed = False
@@ -258,8 +263,9 @@ class OffloadEngine:
             if torch.is_grad_enabled():
                 self.saved.enter()
         chunks = self.module_chunks[module]
-        for c in chunks:
+        for c in chunks:            # all first: a wait that raises leaves nothing pinned
             self._await_update(c)
+        for c in chunks:
             self.params.pin(c)
         if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
@@ -317,6 +323,7 @@ class OffloadEngine:
         self.prefetcher.begin_iteration()
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = self.tracer.totals["wait"]
+        self.fwd_started = time.perf_counter()
         if isinstance(self.policy, NextUsePolicy):
             self.policy.set_trace(self.prefetcher.trace)
 
@@ -351,6 +358,7 @@ class OffloadEngine:
             self._begin_backward()
         for c in self.module_chunks[module]:
             self._await_update(c)
+        for c in self.module_chunks[module]:
             self.params.pin(c)
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
@@ -433,7 +441,13 @@ class OffloadEngine:
         if self.eager:
             self.window_applied = True
             if c in self.park:
-                return      # queued when backward ends, to run while the next forward runs
+                # Queued when backward ends, to run while the next forward runs. Until then its
+                # gradient ranks by that use (the trace does not show it), not as never used again.
+                trace = self.prefetcher.trace
+                if isinstance(self.policy, NextUsePolicy):
+                    with self.store.lock:
+                        self.policy.hints[("grad", c)] = float(len(trace) + self._deadline(c))
+                return
             # Its update comes soon: start fetching the optimizer state, and keep the gradient
             # (which the trace does not show) from being evicted to make room meanwhile.
             self.adam.prefetch(c)
@@ -533,19 +547,21 @@ class OffloadEngine:
         while during forward the disk only reads parameters. The chunks backward finishes first
         are the ones the next forward uses last: their updates can run while that forward runs,
         and backward, with fewer updates ahead of it, waits less. How many is learned step by
-        step: one more when the worker sat idle for an update's time before forward ended, fewer
-        when forward had to wait for one.
+        step: more by the updates that would have fit in the time the worker sat idle during
+        forward (at most PARK_GROWTH a step), one fewer when forward stalled longer than an update.
         """
         trace = self.prefetcher.trace
         if trace is None:
             return set()
         u = self.adam.update_s
         stall = self.tracer.totals["wait"] - self.fwd_wait_start - self.fwd_tail_wait_s
+        # Idle time before this forward began (an eval loop, a checkpoint) says nothing about it.
+        idle = min(self.adam.idle_s(), time.perf_counter() - self.fwd_started)
         if u > 0:
             if stall > u:
                 self.park_count -= 1
             else:
-                self.park_count += int(self.adam.idle_s() / (2 * u))
+                self.park_count += min(PARK_GROWTH, int(idle / (2 * u)))
         self.park_count = min(max(self.park_count, 0), self.layout.num_chunks // 2)
         if self.park_count == 0:
             self.parked = set()
@@ -570,8 +586,11 @@ class OffloadEngine:
             raise OffloadError("no offload optimizer is attached to this model")
         if self.window_applied and not (self.grad_chunks - self.updated_chunks):
             # Every chunk's update is queued already: those still running finish while the next
-            # forward runs, each before that forward first uses its chunk (_await_update).
+            # forward runs, each before that forward first uses its chunk (_await_update). Their
+            # parameters read as the empty placeholder until then, never half-updated values.
             self.adam.raise_error()
+            for c in self.adam.pending_chunks():
+                self.params.detach(c)
         else:
             self.adam.drain()
         applied = True
@@ -656,10 +675,13 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        self.adam.close()
-        nvme = self.store.tiers.get("nvme")
-        if nvme is not None:
-            nvme.close(remove=not keep_files)
+        try:
+            self.adam.drain()       # updates still queued from the last step: finish, or report their error
+        finally:
+            self.adam.close()
+            nvme = self.store.tiers.get("nvme")
+            if nvme is not None:
+                nvme.close(remove=not keep_files)
 
     def __del__(self):
         try:

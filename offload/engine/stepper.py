@@ -224,6 +224,10 @@ class ChunkAdam:
         """Whether chunk ``c`` has an update queued or running (its parameters are not yet new)."""
         return c in self._pending
 
+    def pending_chunks(self) -> set[int]:
+        with self._progress:
+            return set(self._pending)
+
     def wait_for(self, c: int) -> None:
         """Wait until chunk ``c``'s queued update is done; re-raises the worker's error."""
         with self._progress:
@@ -262,13 +266,13 @@ class ChunkAdam:
             except BaseException as exc:  # re-raised in the training thread by drain()
                 self._error = exc
             finally:
-                self._queue.task_done()
-                with self._progress:
+                with self._progress:        # before task_done: drain() returning means nothing pending
                     self._pending.discard(c)
                     if not self._pending:
                         self._idle_since = time.perf_counter()
                     self._finished += 1
                     self._progress.notify_all()
+                self._queue.task_done()
 
     def _prefetch_queued(self) -> None:
         # Once backward has run ahead of the updates (always, when compute is faster than the

@@ -346,10 +346,13 @@ def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp,
     engine.close()
 
 
-def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp):
-    """The number of parked chunks grows by the updates that would have fit while the worker sat
-    idle before forward ended, shrinks by one when forward stalled longer than an update, stays
-    within half the chunks, and the parked ones are those the next forward uses last."""
+def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
+    """The number of parked chunks grows by the updates that would have fit in the time the worker
+    sat idle during forward (idle time from before forward began does not count, and growth is
+    capped per step), shrinks by one when forward stalled longer than an update, stays within
+    half the chunks, and the parked ones are those the next forward uses last."""
+    from offload.engine import engine as engine_module
+
     model = offload.wrap(TinyGPT(), cfg(disk_tmp, cpu_budget="544KiB"))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     for x, y in batches(2):             # a trace to follow
@@ -357,23 +360,32 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp):
         opt.step()
     engine = model.offload_engine
     engine.adam.drain()
+    assert engine.layout.num_chunks == 9
+    monkeypatch.setattr(engine_module, "PARK_GROWTH", 2)
+    idle = [0.0]
+    monkeypatch.setattr(engine.adam, "idle_s", lambda: idle[0])
     engine.adam.update_s = 0.01
-    assert engine.layout.num_chunks >= 8
+
+    def forward_ended(idle_s, forward_s, stalled_s=0.0):
+        idle[0] = idle_s
+        engine.fwd_started = time.perf_counter() - forward_s
+        engine.fwd_wait_start = engine.tracer.totals["wait"] - stalled_s
+        engine.fwd_tail_wait_s = 0.0
+        return engine._chunks_to_park()
+
     engine.park_count = 0
-    engine.adam._idle_since = time.perf_counter() - 0.065    # idle for 6.5 updates' time: 3 more
-    engine.fwd_wait_start, engine.fwd_tail_wait_s = engine.tracer.totals["wait"], 0.0
-    parked = engine._chunks_to_park()
+    parked = forward_ended(0.03, 10.0)              # 3 updates' time idle: +1
+    assert engine.park_count == 1 and len(parked) == 1
+    parked = forward_ended(100.0, 0.045)            # idle since before a 45 ms forward: +2
     assert engine.park_count == 3 and len(parked) == 3
-    last = sorted(range(engine.layout.num_chunks), key=engine._deadline)[-len(parked):]
+    last = sorted(range(engine.layout.num_chunks), key=engine._deadline)[-3:]
     assert parked == set(last)
-    before = engine.park_count
-    engine.fwd_wait_start = engine.tracer.totals["wait"] - 0.05      # forward stalled 50 ms
-    engine._chunks_to_park()
-    assert engine.park_count == before - 1
-    engine.adam._idle_since = time.perf_counter() - 100.0
-    engine.fwd_wait_start = engine.tracer.totals["wait"]
-    engine._chunks_to_park()
-    assert engine.park_count == engine.layout.num_chunks // 2
+    forward_ended(0.0, 10.0, stalled_s=0.05)       # forward stalled 50 ms: one fewer
+    assert engine.park_count == 2
+    forward_ended(100.0, 100.0)                     # at most PARK_GROWTH more a step
+    assert engine.park_count == 4
+    forward_ended(100.0, 100.0)                     # and never more than half the chunks
+    assert engine.park_count == 4
     engine.close()
 
 
@@ -400,3 +412,34 @@ def test_updates_left_when_backward_ends_go_in_next_forward_order(disk_tmp, monk
     adam.drain()
     assert order == [5, 3, 2, 4]
     model.offload_engine.close()
+
+
+def test_an_update_failing_after_step_returned_is_raised_by_close(disk_tmp, monkeypatch):
+    """An update still queued when step() returned that then fails is not lost: close() waits for
+    the queue, still removes the swap files, and raises the error."""
+    from offload.engine.stepper import ChunkAdam
+
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp, cpu_budget="544KiB"))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    data = list(batches(3))
+    for x, y in data[:2]:
+        model(x, y).backward()
+        opt.step()
+
+    real_update, armed = ChunkAdam.update, threading.Event()
+
+    def late_failure(self, c, *args):
+        time.sleep(0.05)                # slow: updates are still queued when step() returns
+        if armed.is_set():
+            raise RuntimeError(f"disk gone while updating chunk {c}")
+        return real_update(self, c, *args)
+
+    monkeypatch.setattr(ChunkAdam, "update", late_failure)
+    x, y = data[2]
+    model(x, y).backward()
+    opt.step()
+    armed.set()                         # updates that start from now on fail
+    assert model.offload_engine.adam.pending_chunks()
+    with pytest.raises(OffloadError, match="disk gone"):
+        model.offload_engine.close()
+    assert not any(Path(disk_tmp).iterdir())
