@@ -548,7 +548,9 @@ class OffloadEngine:
         are the ones the next forward uses last: their updates can run while that forward runs,
         and backward, with fewer updates ahead of it, waits less. How many is learned step by
         step: more by the updates that would have fit in the time the worker sat idle during
-        forward (at most PARK_GROWTH a step), one fewer when forward stalled longer than an update.
+        forward (at most PARK_GROWTH a step), one fewer when forward stalled longer than an update
+        or the last backward did not wait for the optimizer (compute is the bottleneck: parking
+        would only add traffic).
         """
         trace = self.prefetcher.trace
         if trace is None:
@@ -557,8 +559,10 @@ class OffloadEngine:
         stall = self.tracer.totals["wait"] - self.fwd_wait_start - self.fwd_tail_wait_s
         # Idle time before this forward began (an eval loop, a checkpoint) says nothing about it.
         idle = min(self.adam.idle_s(), time.perf_counter() - self.fwd_started)
+        # Parking only pays when the last backward waited for the optimizer (wait_backlog).
+        throttled, self.adam.backlog_wait_s = self.adam.backlog_wait_s, 0.0
         if u > 0:
-            if stall > u:
+            if stall > u or throttled < u:
                 self.park_count -= 1
             else:
                 self.park_count += min(PARK_GROWTH, int(idle / (2 * u)))

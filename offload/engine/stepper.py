@@ -101,6 +101,7 @@ class ChunkAdam:
         self._pending: set[int] = set()             # chunks submitted and not yet updated (under _progress)
         self._idle_since: float | None = None       # when the worker last ran out of work
         self.update_s = 0.0                         # moving average of one queued update's wall time
+        self.backlog_wait_s = 0.0                   # time callers spent in wait_backlog (reset by them)
 
     # ---- one chunk -------------------------------------------------------------
     def runs(self, c: int, with_grad: set[int], groups: dict[int, Hyper]) -> list[tuple[int, int, Hyper, int]]:
@@ -295,6 +296,13 @@ class ChunkAdam:
         if self._queue is None:
             return
         stall_s = BACKLOG_STALL_S if stall_s is None else stall_s
+        started = time.perf_counter()
+        try:
+            self._wait_backlog(limit, stall_s)
+        finally:
+            self.backlog_wait_s += time.perf_counter() - started
+
+    def _wait_backlog(self, limit: int, stall_s: float) -> None:
         with self._progress:
             while len(self._pending) > limit and self._error is None:
                 before = self._finished

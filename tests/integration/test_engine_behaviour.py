@@ -349,8 +349,9 @@ def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp,
 def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
     """The number of parked chunks grows by the updates that would have fit in the time the worker
     sat idle during forward (idle time from before forward began does not count, and growth is
-    capped per step), shrinks by one when forward stalled longer than an update, stays within
-    half the chunks, and the parked ones are those the next forward uses last."""
+    capped per step), shrinks by one when forward stalled longer than an update or backward did
+    not wait for the optimizer, stays within half the chunks, and the parked ones are those the
+    next forward uses last."""
     from offload.engine import engine as engine_module
 
     model = offload.wrap(TinyGPT(), cfg(disk_tmp, cpu_budget="544KiB"))
@@ -366,8 +367,9 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
     monkeypatch.setattr(engine.adam, "idle_s", lambda: idle[0])
     engine.adam.update_s = 0.01
 
-    def forward_ended(idle_s, forward_s, stalled_s=0.0):
+    def forward_ended(idle_s, forward_s, stalled_s=0.0, throttled_s=1.0):
         idle[0] = idle_s
+        engine.adam.backlog_wait_s = throttled_s
         engine.fwd_started = time.perf_counter() - forward_s
         engine.fwd_wait_start = engine.tracer.totals["wait"] - stalled_s
         engine.fwd_tail_wait_s = 0.0
@@ -386,6 +388,8 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
     assert engine.park_count == 4
     forward_ended(100.0, 100.0)                     # and never more than half the chunks
     assert engine.park_count == 4
+    forward_ended(100.0, 100.0, throttled_s=0.0)    # backward never waited for the optimizer
+    assert engine.park_count == 3
     engine.close()
 
 
