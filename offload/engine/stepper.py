@@ -6,8 +6,10 @@ step count, writes the new compute-precision parameters into the CPU parameter c
 same pass, and unpins (the store writes state back down when a tier needs the room). A worker
 thread runs updates while backward is still producing gradients for earlier layers (LoHan's
 active gradient offloading), reading ahead of its queue; backward waits (``wait_backlog``)
-rather than run further ahead than that read-ahead. ``drain`` waits for the worker and re-raises
-its first error.
+rather than run further ahead than that read-ahead. What is still queued when backward ends is
+taken in the order the next forward uses the chunks (``reorder``) and may run on after
+``optimizer.step()`` returns: the engine waits per chunk (``wait_for``) before using it.
+``drain`` waits for the whole queue and re-raises the worker's first error.
 """
 
 from __future__ import annotations
