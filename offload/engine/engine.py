@@ -118,7 +118,7 @@ class OffloadEngine:
         self._install_hooks()
         self.step_count = 0
         self.park_count = 0             # see _chunks_to_park
-        self.parked: set[int] = set()   # the last chunks parked, still being watched in the next forward
+        self.parked: set[int] = set()   # parked in the last backward (watched in the next forward)
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = 0.0
         self.fwd_started = time.perf_counter()
@@ -263,10 +263,7 @@ class OffloadEngine:
             if torch.is_grad_enabled():
                 self.saved.enter()
         chunks = self.module_chunks[module]
-        for c in chunks:            # all first: a wait that raises leaves nothing pinned
-            self._await_update(c)
-        for c in chunks:
-            self.params.pin(c)
+        self._pin_updated(chunks)
         if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
             if module not in self.bwd_remaining:
@@ -327,6 +324,14 @@ class OffloadEngine:
         if isinstance(self.policy, NextUsePolicy):
             self.policy.set_trace(self.prefetcher.trace)
 
+    def _pin_updated(self, chunks: list[int]) -> None:
+        """Pin ``chunks`` once their updates from the last step are done (all waits first: one
+        that raises leaves nothing pinned)."""
+        for c in chunks:
+            self._await_update(c)
+        for c in chunks:
+            self.params.pin(c)
+
     def _await_update(self, c: int) -> None:
         # The update of a chunk may still be running from the last step (optimizer.step() does
         # not wait for it): its parameters are new only once it is done.
@@ -356,10 +361,7 @@ class OffloadEngine:
     def _pre_backward(self, module: nn.Module) -> None:
         if not self.in_backward:
             self._begin_backward()
-        for c in self.module_chunks[module]:
-            self._await_update(c)
-        for c in self.module_chunks[module]:
-            self.params.pin(c)
+        self._pin_updated(self.module_chunks[module])
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
             self.bwd_remaining[module] = self.grad_counts[module]
@@ -372,7 +374,7 @@ class OffloadEngine:
                       and self.optimizer.max_grad_norm is None and final_micro_batch)
         if self.eager:
             self._refresh_hypers()
-            self.park = self._chunks_to_park() if self.spills else set()
+        self.parked = self._chunks_to_park() if self.eager and self.spills else set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -440,13 +442,12 @@ class OffloadEngine:
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True
-            if c in self.park:
+            if c in self.parked:
                 # Queued when backward ends, to run while the next forward runs. Until then its
                 # gradient ranks by that use (the trace does not show it), not as never used again.
-                trace = self.prefetcher.trace
                 if isinstance(self.policy, NextUsePolicy):
                     with self.store.lock:
-                        self.policy.hints[("grad", c)] = float(len(trace) + self._deadline(c))
+                        self.policy.hint(("grad", c), len(self.prefetcher.trace) + self._deadline(c))
                 return
             # Its update comes soon: start fetching the optimizer state, and keep the gradient
             # (which the trace does not show) from being evicted to make room meanwhile.
@@ -481,7 +482,7 @@ class OffloadEngine:
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
         self.params.unpin_all()
-        for c in sorted(self.ready | (self.park & self.grad_chunks)):
+        for c in sorted(self.ready | (self.parked & self.grad_chunks)):
             self._submit(c)
         self.adam.reorder(self._deadline)
         self.micro_batches += 1
@@ -506,7 +507,6 @@ class OffloadEngine:
     def _bwd_reset(self) -> None:
         self.in_backward = False
         self.eager = False
-        self.park: set[int] = set()
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
         self.bwd_started: dict[nn.Module, float] = {}
@@ -568,11 +568,9 @@ class OffloadEngine:
                 self.park_count += min(PARK_GROWTH, int(idle / (2 * u)))
         self.park_count = min(max(self.park_count, 0), self.layout.num_chunks // 2)
         if self.park_count == 0:
-            self.parked = set()
-            return self.parked
+            return set()
         by_deadline = sorted(range(self.layout.num_chunks), key=self._deadline)
-        self.parked = set(by_deadline[-self.park_count:])
-        return self.parked
+        return set(by_deadline[-self.park_count:])
 
     def _runs(self, c: int):
         return self.adam.runs(c, self.with_grad, self._hyper_of)
@@ -622,7 +620,7 @@ class OffloadEngine:
             self.scaler.update(overflow)
         with self.store.lock:
             # Hints of chunks whose update is still queued hold until it runs (then it accesses them).
-            self.policy.hints = {k: v for k, v in self.policy.hints.items() if self.adam.pending(k[1])}
+            self.policy.keep_hints(lambda key: self.adam.pending(key[1]))
         self._finish_step_stats(applied)
         if applied:
             # The update consumed this window's gradients: the next backward starts from zero,

@@ -30,8 +30,16 @@ class EvictionPolicy:
     def hint_soon(self, key: Hashable) -> float:
         """Mark ``key`` as needed imminently (fetched ahead of a use the trace does not show, such
         as the optimizer's next chunk) until it is accessed; returns the rank it now has."""
-        self.hints[key] = self.soonest()
-        return self.hints[key]
+        return self.hint(key, self.soonest())
+
+    def hint(self, key: Hashable, rank: float) -> float:
+        """Rank ``key`` at ``rank`` until it is accessed (a use the trace does not show)."""
+        self.hints[key] = rank
+        return rank
+
+    def keep_hints(self, keep: Callable[[Hashable], bool]) -> None:
+        """Drop the hints of keys for which ``keep`` is false."""
+        self.hints = {k: v for k, v in self.hints.items() if keep(k)}
 
     def soonest(self) -> float:
         """The rank of a chunk needed right now."""
