@@ -408,16 +408,6 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     return final
 
 
-def staging_buffers(store, nbytes: int, count: int = 2) -> list[torch.Tensor]:
-    """Reusable chunk buffers for ``store.read_into`` (page-aligned when NVMe reads go straight
-    into them), touched now so their first use does not pay for page faults."""
-    if "nvme" in store.tiers:
-        from .aio import aligned_empty
-
-        return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(count)]
-    return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
-
-
 def _pipelined(items: list, fetch, consume) -> None:
     """``consume(i, fetch(i, buf))`` for each item, fetching item i+1 on a thread while item i is consumed.
 
@@ -460,7 +450,7 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
                        "chunks": [None] * layout.num_chunks}
         items += [(kind, c) for c in range(layout.num_chunks)
                   if store.records[(kind, c)].state is not ChunkState.FREE]
-    bufs = staging_buffers(store, max((store.staging_bytes(k) for k in items), default=0))
+    bufs = store.staging_buffers(max((store.staging_bytes((kind, 0)) for kind in kinds), default=0))
     writers: dict[str, _KindWriter] = {}
 
     def fetch(i):

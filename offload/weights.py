@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import persistent_buffers, staging_buffers, write_file_atomic
+from .checkpoint import persistent_buffers, write_file_atomic
 from .errors import ConfigError, OffloadError
 
 INDEX = "model.safetensors.index.json"
@@ -145,8 +145,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     cache: tuple[int, torch.Tensor] | None = None
     staging = None
     if engine is not None:
-        staging = staging_buffers(engine.store, max(engine.store.staging_bytes((source, c))
-                                                    for c in range(engine.layout.num_chunks)), count=1)[0]
+        staging = engine.store.staging_buffers(engine.store.staging_bytes((source, 0)), count=1)[0]
     for shard, fname in zip(shards, names):
         path = root / fname
         tmp = root / f".{fname}.tmp-{os.getpid()}"
@@ -343,8 +342,7 @@ def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
     params, store = engine.params, engine.store
     master_kind = "master" if params.has_master else "param"
     if "master" not in staging:
-        nbytes = max(store.staging_bytes((master_kind, i)) for i in range(engine.layout.num_chunks))
-        staging["master"] = staging_buffers(store, nbytes, count=1)[0]
+        staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
         if params.has_master:
             staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype)
     covered = {id(p) for p, _, _ in members}

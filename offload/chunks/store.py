@@ -314,9 +314,16 @@ class ChunkStore:
 
     def read(self, key: ChunkKey) -> torch.Tensor:
         """A CPU copy of the chunk's current contents, from whichever tier holds them (no state change)."""
-        from ..aio import aligned_empty
+        return self.read_into(key, self.staging_buffers(self.staging_bytes(key), count=1)[0])
 
-        return self.read_into(key, aligned_empty(self.staging_bytes(key), torch.uint8))
+    def staging_buffers(self, nbytes: int, count: int = 2) -> list[torch.Tensor]:
+        """Reusable chunk buffers for ``read_into`` (page-aligned when NVMe reads go straight into
+        them), touched now so their first use does not pay for page faults."""
+        if "nvme" in self.tiers:
+            from ..aio import aligned_empty
+
+            return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(count)]
+        return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
 
     def read_into(self, key: ChunkKey, out: torch.Tensor) -> torch.Tensor:
         """``read`` without allocating: copy the chunk's current contents into ``out`` and return its
@@ -337,7 +344,8 @@ class ChunkStore:
             return typed
 
     def staging_bytes(self, key: ChunkKey) -> int:
-        """Bytes a ``read_into`` buffer for ``key`` needs (its chunk's size; NVMe slots hold exactly that)."""
+        """Bytes a ``read_into`` buffer for ``key`` needs (its chunk's size; NVMe slots hold exactly
+        that; every chunk of a kind has the same)."""
         return self._rec(key).nbytes
 
     def write(self, key: ChunkKey, data: torch.Tensor) -> None:

@@ -201,11 +201,12 @@ class ChunkedParams:
         kind = kind or ("master" if self.has_master else "param")
         wanted = None if params is None else {id(p) for p in params}
         out = {}
+        buf = self._staging(kind)
         for c, members in enumerate(self.chunk_members):
             members = [p for p in members if wanted is None or id(p) in wanted]
             if not members:
                 continue
-            chunk = self._read_or_zeros((kind, c))
+            chunk = self._read_or_zeros((kind, c), buf)
             for p in members:
                 s = self.ref(p).slot
                 out[id(p)] = chunk[s.offset:s.end].view(s.shape).clone()
@@ -220,16 +221,22 @@ class ChunkedParams:
         for p in self.params:
             if id(p) in values:
                 by_chunk.setdefault(self.ref(p).slot.chunk, []).append(p)
+        bufs = {kind: self._staging(kind) for kind in kinds}
         for c, members in by_chunk.items():
             for kind in kinds:
-                chunk = self._read_or_zeros((kind, c))
+                chunk = self._read_or_zeros((kind, c), bufs[kind])
                 for p in members:
                     s = self.ref(p).slot
                     chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(chunk.dtype))
                 self.store.write((kind, c), chunk)
 
-    def _read_or_zeros(self, key) -> torch.Tensor:
+    def _staging(self, kind: str) -> torch.Tensor:
+        # One buffer per call, reused chunk after chunk: the values are cloned out of it, and
+        # store.write copies what it is given.
+        return self.store.staging_buffers(self.store.staging_bytes((kind, 0)), count=1)[0]
+
+    def _read_or_zeros(self, key, buf: torch.Tensor) -> torch.Tensor:
         rec = self.store.records[key]
         if rec.state is ChunkState.FREE:
             return torch.zeros(rec.numel, dtype=rec.dtype)
-        return self.store.read(key)
+        return self.store.read_into(key, buf)
