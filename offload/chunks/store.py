@@ -554,9 +554,7 @@ class ChunkStore:
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
             if not candidates:
                 return False
-            # With enough free bytes that are not contiguous (a shared arena), free one more
-            # chunk's worth, victim by victim until the request fits.
-            need = nbytes - t.free_bytes if nbytes > t.free_bytes else nbytes
+            need = t.shortfall(nbytes)
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
                 self._evict(self.records[key], tier)
                 if t.can_allocate(nbytes):

@@ -38,12 +38,12 @@ class Extents:
         fp32); each size growing from its own end keeps freed ranges usable by the same size,
         where mixing them would leave holes too small for the big ones."""
         n = self._round(nbytes)
-        order = reversed(self._starts) if top else self._starts
-        start = next((s for s in order if self._lengths[s] >= n), None)
-        if start is None:
+        order = range(len(self._starts) - 1, -1, -1) if top else range(len(self._starts))
+        i = next((i for i in order if self._lengths[self._starts[i]] >= n), None)
+        if i is None:
             return None
+        start = self._starts[i]
         length = self._lengths[start]
-        i = bisect.bisect_left(self._starts, start)
         if top:
             if length == n:
                 del self._starts[i]

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..errors import TierFullError
+from .arena import Extents
 
 HUGEPAGE = 2 << 20
 
@@ -40,8 +41,11 @@ class MemoryTier:
         self.in_use = 0                     # bytes handed out
         self._pooled: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
-        self._arena = None                  # (mapping, its address, Extents) once first used
-        self._use_arena = self.device.type == "cpu" and aligned and not pin
+        # Aligned unpinned host memory is one arena: its bookkeeping now, its mapping at first use.
+        arena = self.device.type == "cpu" and aligned and not pin
+        self._extents = Extents(self.budget // 4096 * 4096) if arena else None
+        self._mapping: memoryview | None = None
+        self._base = 0
         self._largest_request = 0
 
     @property
@@ -58,13 +62,18 @@ class MemoryTier:
         if self.in_use + nbytes > self.budget:
             return False
         # In an arena the bytes must also be contiguous (evicting more makes them so).
-        return self._arena is None or self._arena[2].largest() >= nbytes
+        return self._extents is None or self._extents.largest() >= nbytes
+
+    def shortfall(self, nbytes: int) -> int:
+        """Bytes to free before ``nbytes`` can be allocated: the missing budget, or in an arena with
+        enough free bytes that are not contiguous, ``nbytes`` (freed victim by victim until it fits)."""
+        return nbytes - self.free_bytes if nbytes > self.free_bytes else nbytes
 
     def allocate(self, nbytes: int, holders: Callable[[], str] = lambda: "") -> torch.Tensor:
         """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it."""
         if not self.can_allocate(nbytes):
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
-        if self._use_arena:
+        if self._extents is not None:
             buf = self._from_arena(nbytes)
             self.in_use += nbytes
             return buf
@@ -82,9 +91,8 @@ class MemoryTier:
         """Return a buffer to the pool (it stays reserved for the next chunk of its size)."""
         nbytes = buf.numel()
         self.in_use -= nbytes
-        if self._arena is not None:
-            _, base, extents = self._arena
-            extents.free(buf.data_ptr() - base, nbytes)
+        if self._extents is not None:
+            self._extents.free(buf.data_ptr() - self._base, nbytes)
             return
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
@@ -99,20 +107,18 @@ class MemoryTier:
 
     def _from_arena(self, nbytes: int) -> torch.Tensor:
         from .. import native
-        from .arena import Extents
 
-        if self._arena is None:
-            mapping, address = native.buffer_alloc(self.budget, hugepage=True, populate=False)
-            self._arena = (memoryview(mapping), address, Extents(self.budget // 4096 * 4096))
-        view, _, extents = self._arena
+        if self._mapping is None:
+            mapping, self._base = native.buffer_alloc(self.budget, hugepage=True, populate=False)
+            self._mapping = memoryview(mapping)
         # The largest size seen (fp32 chunks) grows from the bottom, smaller ones from the top.
         self._largest_request = max(self._largest_request, nbytes)
-        start = extents.allocate(nbytes, top=nbytes < self._largest_request)
+        start = self._extents.allocate(nbytes, top=nbytes < self._largest_request)
         if start is None:        # can_allocate said yes: only a bug gets here
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, "no contiguous free range")
         # A tensor of its own over the range (its storage starts there: the engine tells chunks
         # apart by storage address), keeping the mapping alive as long as it lives.
-        return torch.frombuffer(view[start:start + nbytes], dtype=torch.uint8)
+        return torch.frombuffer(self._mapping[start:start + nbytes], dtype=torch.uint8)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu" and self.pin:      # aligned and unpinned: the arena
