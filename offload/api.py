@@ -159,12 +159,12 @@ class AdamW(CPUAdamW):
 
     def state_dict(self):
         sd = super().state_dict()
-        for e, entries in self._wrapped_by_engine(i for i, _ in self._indexed()).items():
+        for e, entries in self._wrapped_by_engine().items():
             e.adam.drain()
-            stepped = [(i, p) for i, p in entries if e.adam.steps[e.params.ref(p).index] > 0]
-            moments = {kind: e.params.gather_all(kind, [p for _, p in stepped]) for kind in MOMENTS}
-            for i, p in stepped:
-                steps = e.adam.steps[e.params.ref(p).index]
+            stepped = [(i, p, e.adam.steps[e.params.ref(p).index]) for i, p in entries]
+            stepped = [entry for entry in stepped if entry[2] > 0]
+            moments = {kind: e.params.gather_all(kind, [p for _, p, _ in stepped]) for kind in MOMENTS}
+            for i, p, steps in stepped:
                 sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()),
                                   **{kind: moments[kind][id(p)] for kind in MOMENTS}}
         return sd
@@ -181,11 +181,11 @@ class AdamW(CPUAdamW):
             for kind in MOMENTS:
                 e.params.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
 
-    def _wrapped_by_engine(self, indices) -> dict:
-        """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices``."""
+    def _wrapped_by_engine(self, indices=None) -> dict:
+        """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices`` (all by default)."""
         index = dict(self._indexed())
         out: dict = {}
-        for i in indices:
+        for i in index if indices is None else indices:
             p = index.get(i)
             e = engine_of(p) if p is not None else None
             if e is not None:

@@ -139,8 +139,8 @@ class OffloadConfig:
             _int_in(self.chunk_size, "chunk_size", CHUNK_QUANTUM)
             if self.chunk_size % CHUNK_QUANTUM:
                 raise ConfigError("chunk_size", self.chunk_size,
-                                  "must be a multiple of 2048 elements (4 KiB alignment for O_DIRECT "
-                                  "at every dtype), or 'auto'")
+                                  f"must be a multiple of {CHUNK_QUANTUM} elements (4 KiB alignment for "
+                                  "O_DIRECT at every dtype), or 'auto'")
         _int_in(self.prefetch_depth, "prefetch_depth", 0, 1024)
         if self.optimizer_threads != "auto":
             _int_in(self.optimizer_threads, "optimizer_threads", 1, 1024)

@@ -51,8 +51,12 @@ def check_simd_name(name: str, field: str, available: list[str]) -> int:
     return SIMD_LEVELS.index(name)
 
 
+def _available(lib) -> list[str]:
+    return list(SIMD_LEVELS[: lib.off_simd_supported() + 1])
+
+
 def _apply_simd(lib, name: str, field: str) -> None:
-    available = list(SIMD_LEVELS[: lib.off_simd_supported() + 1])
+    available = _available(lib)
     check(lib.off_simd_set_level(check_simd_name(name, field, available)), "off_simd_set_level")
 
 
@@ -274,5 +278,4 @@ def stream_probe_raw(*, a: int, b: int, c: int, d: int, d_dtype: str, e: int, e_
 
 def simd_available() -> list[str]:
     """Every instruction set this CPU runs, lowest first (what tests and benchmarks sweep)."""
-    _, lib = load()
-    return list(SIMD_LEVELS[: lib.off_simd_supported() + 1])
+    return _available(load()[1])

@@ -240,8 +240,6 @@ def _number(data: dict, key: str, where: str) -> float:
     raise OffloadError(f"no positive {key!r} found in {where}")
 
 
-
-
 def _measure_nvme(paths: list[str], notes: list[str]) -> tuple[float, float]:
     """Aggregate read/write GB/s: one small run per distinct filesystem, summed (striping)."""
     try:

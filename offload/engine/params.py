@@ -153,9 +153,9 @@ class ChunkedParams:
             hit = self.store.records[("param", c)].has(self.tier)
             if self.tracer is not None:
                 with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
-                    view = self.store.access(("param", c), "device")
+                    view = self.store.access(("param", c), self.tier)
             else:
-                view = self.store.access(("param", c), "device")
+                view = self.store.access(("param", c), self.tier)
             if c not in self.attached:
                 for p in self.chunk_members[c]:
                     s = self.ref(p).slot
@@ -171,7 +171,7 @@ class ChunkedParams:
             return
         self.pins[c] -= 1
         if self.pins[c] == 0:
-            self.store.release(("param", c), "device")
+            self.store.release(("param", c), self.tier)
             if self.on_unpinned is not None:
                 self.on_unpinned(c)
 

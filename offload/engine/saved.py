@@ -65,5 +65,5 @@ class SavedParameterViews:
         if self.params.pins[packed.chunk] == 0:
             # Used outside the hooks' view: pinned until the backward ends (unpin_all there).
             self.params.pin(packed.chunk)
-        view = self.params.store.view(("param", packed.chunk), "device")
+        view = self.params.store.view(("param", packed.chunk), self.params.tier)
         return torch.as_strided(view, packed.size, packed.stride, packed.offset)
