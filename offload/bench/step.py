@@ -20,6 +20,12 @@ lower bound measured in the same run::
 * Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, bf16
   gradient, bf16 copy written, as the engine's step) for the model's parameter count.
 
+Beside the bound, one more sample's NVMe requests are recorded and replayed alone, back to back
+(``offload.bench.replay``): ``nvme_replay_s`` is what this disk needs for exactly the step's
+traffic, reads and writes interleaved as the engine issued them. ``step / replay`` is then the
+engine's own share of the gap (waits between requests, compute the I/O did not overlap) and
+``replay / bound`` the disk's (mixed traffic done slower than each direction alone).
+
 The "everything fits in memory" comparison wraps the same model with budgets larger than its state
 and no NVMe tier, and alternates its steps with plain PyTorch doing the same mixed-precision update
 a PyTorch user would write: bf16 model, fp32 master copy, gradients copied to fp32,
@@ -222,6 +228,28 @@ def _offload_steps(model, opt, ids, device: str, n: int = STEPS_PER_SAMPLE) -> f
     return (time.perf_counter() - t0) / n
 
 
+def _replay_one_sample(model, opt, ids, device: str, repeats: int, quiet: bool) -> tuple[float | None, int]:
+    """Record the NVMe requests of one more (untimed) sample, replay them ``repeats`` times with
+    nothing else running (``offload.bench.replay``): (median seconds per step, bytes per step).
+    The replay writes into the engine's swap files: call it only right before closing it."""
+    from .replay import replay
+
+    tier = model.offload_engine.store.tiers.get("nvme")
+    if tier is None:
+        return None, 0
+    tier.recording = []
+    try:
+        _offload_steps(model, opt, ids, device)
+        records = tier.recording
+    finally:
+        tier.recording = None
+    if not records:
+        return None, 0
+    _say(f"NVMe replay: this sample's {len(records)} requests x {repeats}, nothing else running", quiet)
+    seconds = statistics.median(replay(tier, records) for _ in range(repeats))
+    return seconds / STEPS_PER_SAMPLE, sum(r.slot.nbytes for r in records) // STEPS_PER_SAMPLE
+
+
 def _torch_step(model, opt: _TorchMixedAdam, ids, device: str) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -317,6 +345,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
                 if i % 2 == 0:
                     compute_times += _time_compute(ref_model, ids, device, 1)
             layout = stats[-1].get("layout", {})
+            replay_s, replay_bytes = _replay_one_sample(model, opt, ids, device, nvme_repeats, quiet)
         finally:
             model.offload_engine.close()
         del model, opt
@@ -350,6 +379,8 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         "step_times_s": [round(t, 4) for t in step_times],
         "compute_times_s": [round(t, 4) for t in compute_times],
         "chunks": layout.get("chunks"), "chunk_size": layout.get("chunk_size"),
+        "nvme_replay_s": replay_s,
+        "nvme_replay_gbps": replay_bytes / replay_s / 1e9 if replay_s else None,
     })
     breakdown["run"] = {"preset": preset, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
                         "steps": steps, "warmup": warmup, "notes": notes}
@@ -439,6 +470,10 @@ def _print(r: dict) -> None:
           f"waiting for Adam {_fmt(b['optimizer_wait_s'])}, prefetch hits {hits}")
     moved = ", ".join(f"{d} {n / 1e6:.0f} MB" for d, n in b["moved_bytes"].items())
     print(f"moved/step  {b['bytes_per_step'] / 1e6:.0f} MB ({moved})")
+    if b.get("nvme_replay_s"):
+        print(f"replay      {_fmt(b['nvme_replay_s'])}  the step's NVMe requests replayed alone "
+              f"({b['nvme_replay_gbps']:.2f} GB/s): step/replay {r['step_s'] / b['nvme_replay_s']:.2f}, "
+              f"replay/bound {b['nvme_replay_s'] / r['bound_s']:.2f}")
     print(f"measured    NVMe read {b['nvme_read_gbps']} GB/s, write {b['nvme_write_gbps']} GB/s "
           f"({b['nvme_backend']}); Adam roofline {b['adam_roofline_params_per_s'] / 1e9:.2f} G params/s")
     m = r["in_memory"]

@@ -33,6 +33,14 @@ class NvmeSlot:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class IoRecord:
+    """One request the tier started while recording (``NvmeTier.recording``): enough to replay it."""
+    slot: NvmeSlot
+    write: bool
+    urgent: bool
+
+
 def nvme_capacity(dirs: Sequence[str]) -> int:
     """Bytes one striped file over ``dirs`` can grow to. Striping gives every directory an equal
     share, and directories on one filesystem share its free space: the tightest filesystem,
@@ -66,6 +74,8 @@ class NvmeTier:
         self.files: dict[str, object] = {}
         self.in_use = 0
         self.budget = nvme_capacity(self.dirs)
+        # A list while recording: every read and write started is appended (offload.bench.replay).
+        self.recording: list[IoRecord] | None = None
         # Swap files go with the tier even when nobody calls close() (also at interpreter exit).
         self._finalizer = weakref.finalize(self, _close_and_remove, self.aio, self.files)
 
@@ -96,11 +106,15 @@ class NvmeTier:
     def write(self, slot: NvmeSlot, src: torch.Tensor, src_name: str = "cpu") -> Move:
         """Start writing the aligned host buffer ``src`` into ``slot``."""
         handle = self.aio.write_from(src, slot.file, slot.offset)
+        if self.recording is not None:
+            self.recording.append(IoRecord(slot, True, False))
         return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu", *, urgent: bool = False) -> Move:
         """Start reading ``slot`` into the aligned host buffer ``dst`` (``urgent``: see ``AsyncIO.read_into``)."""
         handle = self.aio.read_into(dst, slot.file, slot.offset, urgent=urgent)
+        if self.recording is not None:
+            self.recording.append(IoRecord(slot, False, urgent))
         return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def close(self, remove: bool = True) -> None:

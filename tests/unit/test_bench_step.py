@@ -97,6 +97,10 @@ def test_short_run_json_schema(tmp_path, monkeypatch):
     assert b["nvme_s"] == pytest.approx(b["nvme_read_bytes"] / (b["nvme_read_gbps"] * 1e9)
                                         + b["nvme_write_bytes"] / (b["nvme_write_gbps"] * 1e9))
     assert b["adam_s"] == pytest.approx(r["params"] / b["adam_roofline_params_per_s"])
+    # The replay redid one sample's requests: about a step's NVMe bytes (steps vary a little).
+    assert b["nvme_replay_s"] > 0
+    replayed = b["nvme_replay_gbps"] * 1e9 * b["nvme_replay_s"]
+    assert replayed == pytest.approx(b["nvme_read_bytes"] + b["nvme_write_bytes"], rel=0.5)
     m = r["in_memory"]
     assert set(m) == {"offload_step_s", "torch_step_s", "ratio"}
     assert "torch_optimizer" in b["in_memory"] and b["run"]["preset"] == "micro"
