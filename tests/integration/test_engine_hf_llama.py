@@ -22,6 +22,14 @@ def tiny_llama(seed=0):
     return model
 
 
+def checkpointing(model):
+    # transformers 5.x renamed gradient_checkpointing_enable (kept, deprecated); 4.x has only the old name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def data(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(n)]
@@ -31,8 +39,8 @@ def data(n, seed=0):
 def test_hf_llama_fp32_matches_torch(disk_tmp):
     ref = tiny_llama()
     mine = copy.deepcopy(ref)
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing(ref)
+    checkpointing(mine)
     ref.train()
     mine.train()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
