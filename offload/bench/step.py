@@ -15,8 +15,9 @@ lower bound measured in the same run::
 
 * compute: the same model's forward + backward in plain PyTorch (bf16, same batch, no offload),
   each timed right next to one offloaded step, alternating which goes first (the machine drifts);
-* NVMe: ``offload.bench.nvme.measure`` on the same directory with the engine's AioConfig; reads and
-  writes share one device, so their times add;
+* NVMe: ``offload.bench.nvme.measure`` on the same directory with the engine's AioConfig, one
+  pass beside each sample as the compute timing is (median); reads and writes share one device,
+  so their times add;
 * Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, bf16
   gradient, bf16 copy written, as the engine's step) for the model's parameter count.
 
@@ -267,7 +268,7 @@ def _say(msg: str, quiet: bool) -> None:
 
 def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", steps: int = 10,
             warmup: int = 3, batch_tokens: int = 512, cpu_budget=None, device_budget=None,
-            device: str = "auto", nvme_size="256M", nvme_repeats: int = 3, adam_repeats: int = 3,
+            device: str = "auto", nvme_size="256M", replay_repeats: int = 3, adam_repeats: int = 3,
             in_memory: bool = True, quiet: bool = True, lr: float = 1e-4) -> dict:
     """Run the benchmark; returns the JSON dict described in the module doc.
 
@@ -328,33 +329,40 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         model = offload.wrap(model, config)
         try:
             opt = offload.AdamW(model.parameters(), lr=lr)
-            _say(f"offloaded: {warmup} warm-up + {steps} timed steps, alternating with plain "
-                 f"PyTorch forward+backward", quiet)
+            _say(f"offloaded: {warmup} warm-up + {steps} timed samples, alternating with plain "
+                 f"PyTorch forward+backward and an NVMe probe ({nvme_size >> 20} MiB written, then read)", quiet)
             for _ in range(warmup):
                 _offload_steps(model, opt, ids, device, 1)
             _time_compute(ref_model, ids, device, 1)
             # Alternate an offloaded sample with the plain forward+backward (and who goes first):
             # the bus, the disk and the neighbours drift, and both sides should see the same.
             # A sample ends with the engine idle, so nothing of it slows the plain run beside it.
-            step_times, compute_times, stats = [], [], []
+            # The NVMe probe alternates with the samples as well: this disk's rates drift by a
+            # quarter within minutes, and a probe taken after all samples can miss what they saw.
+            step_times, compute_times, stats, probes = [], [], [], []
+
+            def beside():
+                compute_times.extend(_time_compute(ref_model, ids, device, 1))
+                probes.append(nvme_bench.measure(work, size=nvme_size, block_size=aio.block_size,
+                                                 queue_depth=aio.queue_depth, threads=aio.threads,
+                                                 repeats=1, with_fio=False))
+
             for i in range(steps):
                 if i % 2:
-                    compute_times += _time_compute(ref_model, ids, device, 1)
+                    beside()
                 step_times.append(_offload_steps(model, opt, ids, device))
                 stats.append(model.offload_stats())
                 if i % 2 == 0:
-                    compute_times += _time_compute(ref_model, ids, device, 1)
+                    beside()
             layout = stats[-1].get("layout", {})
-            replay_s, replay_bytes = _replay_one_sample(model, opt, ids, device, nvme_repeats, quiet)
+            replay_s, replay_bytes = _replay_one_sample(model, opt, ids, device, replay_repeats, quiet)
         finally:
             model.offload_engine.close()
         del model, opt
 
-        # 4. NVMe bandwidth on the same directory, with the engine's AIO settings
-        _say(f"NVMe probe: {nvme_size >> 20} MiB x {nvme_repeats}", quiet)
-        nvme = nvme_bench.measure(work, size=nvme_size, block_size=aio.block_size,
-                                  queue_depth=aio.queue_depth, threads=aio.threads,
-                                  repeats=nvme_repeats, with_fio=False)
+        nvme = {"read_gbps": round(statistics.median(p["read_gbps"] for p in probes), 3),
+                "write_gbps": round(statistics.median(p["write_gbps"] for p in probes), 3),
+                "backend": probes[-1]["backend"]}
 
         # 5. Adam roofline for this parameter count, streaming what the engine's update streams:
         # bf16 gradient chunks (no accumulation), the bf16 copy written
@@ -378,6 +386,8 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         "adam_offload_params_per_s": adam["results"]["offload"]["params_per_s"],
         "step_times_s": [round(t, 4) for t in step_times],
         "compute_times_s": [round(t, 4) for t in compute_times],
+        "nvme_read_runs_gbps": [p["read_gbps"] for p in probes],
+        "nvme_write_runs_gbps": [p["write_gbps"] for p in probes],
         "chunks": layout.get("chunks"), "chunk_size": layout.get("chunk_size"),
         "nvme_replay_s": replay_s,
         "nvme_replay_gbps": replay_bytes / replay_s / 1e9 if replay_s else None,

@@ -114,7 +114,7 @@ def test_existing_path_keeps_only_its_own_files(tmp_path, monkeypatch):
     monkeypatch.setitem(llama.PRESETS, "nano", micro)
     (tmp_path / "keep.txt").write_text("x")
     r = bench_step.measure(tmp_path, preset="nano", steps=1, warmup=1, batch_tokens=64,
-                           cpu_budget="2MiB", device_budget="1MiB", nvme_size="1M", nvme_repeats=1,
+                           cpu_budget="2MiB", device_budget="1MiB", nvme_size="1M", replay_repeats=1,
                            adam_repeats=1, in_memory=False)
     assert r["in_memory"] is None
     assert os.listdir(tmp_path) == ["keep.txt"]
