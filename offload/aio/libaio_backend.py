@@ -23,7 +23,7 @@ class _Ring:
     def __init__(self, depth: int, submit_batch: int, name: str, background_depth: int):
         self.ctx = native.AioContext(depth, submit_batch)
         if background_depth:
-            self.ctx.set_background_limit(background_depth)
+            native.check(self.ctx.set_background_limit(background_depth), "off_aio_set_background_limit")
         self._lock = threading.Lock()
         self._inflight: dict[int, Piece] = {}
         self._tags = itertools.count(1)

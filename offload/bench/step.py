@@ -8,8 +8,9 @@ the CPU budget, so most of it lives on NVMe under ``--path``. It is trained thro
 returns with updates still queued (they run on into the next forward, as in training), so a sample
 is two steps back to back, timed from the first forward until every update and write either
 started has finished, halved: nothing spills into what is timed next, and one tail in two is paid
-without overlap (slightly pessimistic against a long run). The report is the median sample, the breakdown from ``model.offload_stats()`` (medians per step), and the
-lower bound measured in the same run::
+without overlap (slightly pessimistic against a long run). The report is the median sample, the
+breakdown from ``model.offload_stats()`` (medians per step), and the lower bound measured in the
+same run::
 
     bound = max(compute, NVMe reads / read GB/s + NVMe writes / write GB/s, params / Adam roofline)
 
