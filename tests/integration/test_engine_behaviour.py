@@ -352,7 +352,7 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
     capped per step), shrinks by one when forward stalled longer than an update or backward did
     not wait for the optimizer, stays within half the chunks, and the parked ones are those the
     next forward uses last."""
-    from offload.engine import engine as engine_module
+    from offload.engine import pipeline as engine_module
 
     model = offload.wrap(TinyGPT(), cfg(disk_tmp, cpu_budget="544KiB"))
     opt = offload.AdamW(model.parameters(), lr=1e-3)

@@ -1,0 +1,266 @@
+"""Forward and backward module hooks: which chunks each module needs, pinned around its compute.
+
+Forward: a pre-hook pins the module's chunks on the compute device (waiting for their update
+from the last step first) and a post-hook unpins them and wraps the outputs so that their
+backward pins the chunks again (``hooks.wrap_for_backward``). Pins taken in backward are
+released once every parameter of the module has its gradient, or when backward ends. Each pin
+tells the trace prefetcher where the iteration is, and it fetches what comes next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, OffloadError
+from ..scheduler import NextUsePolicy
+from .hooks import map_tensors, wrap_for_backward
+from .stepper import ScaleGrad
+
+
+class ModuleHooks:
+    """The forward/backward half of ``OffloadEngine`` (a mixin: state lives on the engine)."""
+
+    def _install_hooks(self) -> None:
+        """Hook every module that owns parameters (and the root).
+
+        A module's *pin set* is its own parameters plus, until its first forward has shown
+        otherwise, those of its descendants: some modules use a child's parameters without
+        calling the child (``nn.MultiheadAttention`` reads ``out_proj.weight``). After the first
+        call, descendants whose own forward ran inside it are dropped from the set.
+        """
+        self.pin_sets: dict[nn.Module, list[nn.Parameter]] = {}
+        self.module_chunks: dict[nn.Module, list[int]] = {}
+        self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
+        self.grad_counts: dict[nn.Module, int] = {}      # trainable parameters a module owns
+        self.param_modules: dict[int, list[nn.Module]] = defaultdict(list)
+        self.discovering: set[nn.Module] = set()
+        self.called_within: dict[nn.Module, set[nn.Module]] = defaultdict(set)
+        self.active: list[nn.Module] = []
+        self.fwd_pinned: list[tuple[nn.Module, list[int]]] = []
+        self._handles = []
+        budget_elems = self.device_budget // (2 * self.params.dtype.itemsize)
+        for module in self.model.modules():
+            own = self._own_params(module)
+            if not own and module is not self.model:
+                continue
+            pin_set = list(own)
+            if module is not self.model:
+                below = [q for d in module.modules() if d is not module for q in self._own_params(d)]
+                if below and sum(q.numel() for q in below) <= budget_elems:
+                    pin_set = list(dict.fromkeys(own + below))
+                    self.discovering.add(module)
+            self.module_params[module] = own
+            self.grad_counts[module] = sum(p.requires_grad for p in own)
+            self._set_pin_set(module, pin_set)
+            for p in own:
+                self.param_modules[id(p)].append(module)
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+        for p in self.params.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _own_params(self, module: nn.Module) -> list[nn.Parameter]:
+        own = list(module.parameters(recurse=False)) + list(getattr(module, "_offload_external", []))
+        return [p for p in dict.fromkeys(own) if self.params.owns(p)]
+
+    def _set_pin_set(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.pin_sets[module] = params
+        self.module_chunks[module] = sorted({self.params.ref(p).slot.chunk for p in params})
+
+    def _finish_discovery(self, module: nn.Module) -> None:
+        called = self.called_within.pop(module, set())
+        keep = list(self.module_params[module])
+        for d in module.modules():
+            if d is not module and d not in called:
+                keep += self._own_params(d)
+        self._set_pin_set(module, list(dict.fromkeys(keep)))
+        self.discovering.discard(module)
+
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Make ``module``'s hooks also fetch ``param`` (a parameter it uses but does not own)."""
+        if not self.params.owns(param):
+            raise ConfigError("param", tuple(param.shape), "is not a parameter of the wrapped model")
+        ext = list(getattr(module, "_offload_external", []))
+        if any(q is param for q in ext):
+            return
+        ext.append(param)
+        module._offload_external = ext
+        for h in self._handles:
+            h.remove()
+        self._install_hooks()
+
+    # ---- forward --------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if module is self.model and self.in_backward and not self._autograd_running():
+            self._abort_backward()
+        if module is self.model and not self.in_backward:
+            self._begin_iteration()
+            if torch.is_grad_enabled():
+                self.saved.enter()
+        chunks = self.module_chunks[module]
+        self._pin_updated(chunks)
+        if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
+            self.bwd_pins[module] += 1
+            if module not in self.bwd_remaining:
+                self.bwd_remaining[module] = self.grad_counts[module]
+            return
+        for outer in self.active:
+            if outer in self.discovering:
+                self.called_within[outer].add(module)
+        self.active.append(module)
+        self.fwd_pinned.append((module, chunks, time.perf_counter()))
+
+    def _post_forward(self, module: nn.Module, args, output):
+        if self.in_backward:
+            return output
+        for i in range(len(self.fwd_pinned) - 1, -1, -1):
+            if self.fwd_pinned[i][0] is module:
+                _, chunks, started = self.fwd_pinned.pop(i)
+                if self.tracer.enabled:
+                    self.tracer.complete(f"forward {type(module).__name__}", "compute", started,
+                                         time.perf_counter(), "compute")
+                break
+        else:
+            chunks = []
+        if module in self.active:
+            self.active.remove(module)
+        for c in chunks:
+            self.params.unpin(c)
+        if module in self.discovering:
+            self._finish_discovery(module)
+        if module is self.model:
+            self.saved.exit()
+        if torch.is_grad_enabled():
+            output = wrap_for_backward(output, lambda m=module: self._pre_backward(m))
+            if module is self.model and self.scaler is not None:
+                output = map_tensors(output, self._scale_if_needed)
+        return output
+
+    def _scale_if_needed(self, t: torch.Tensor) -> torch.Tensor:
+        return ScaleGrad.apply(self.scaler, t) if t.requires_grad and t.is_floating_point() else t
+
+    def _begin_iteration(self) -> None:
+        # A forward that raised never reached its post-hooks: let go of what it held.
+        self.saved.exit()
+        for _, chunks, _ in self.fwd_pinned:
+            for c in chunks:
+                self.params.unpin(c)
+        self.active.clear()
+        self.fwd_pinned.clear()
+        if self.window_applied:
+            raise OffloadError(
+                "a new forward started after backward already applied an optimizer update that "
+                "optimizer.step() has not committed: call optimizer.step() after each backward, or "
+                "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
+        self.prefetcher.begin_iteration()
+        self.fwd_tail_wait_s = 0.0
+        self.fwd_wait_start = self.tracer.totals["wait"]
+        self.fwd_started = time.perf_counter()
+        if isinstance(self.policy, NextUsePolicy):
+            self.policy.set_trace(self.prefetcher.trace)
+
+    def _pin_updated(self, chunks: list[int]) -> None:
+        """Pin ``chunks`` once their updates from the last step are done (all waits first: one
+        that raises leaves nothing pinned)."""
+        for c in chunks:
+            self._await_update(c)
+        for c in chunks:
+            self.params.pin(c)
+
+    def _await_update(self, c: int) -> None:
+        # The update of a chunk may still be running from the last step (optimizer.step() does
+        # not wait for it): its parameters are new only once it is done.
+        if self.adam.pending(c):
+            started = time.perf_counter()
+            with self.tracer.span(f"await update {c}", "wait", chunk=c):
+                self.adam.wait_for(c)
+            if not self.in_backward and c not in self.parked:
+                self.fwd_tail_wait_s += time.perf_counter() - started
+
+    def _deadline(self, c: int) -> float:
+        """When the next iteration first uses chunk ``c`` (trace position; chunk order before a trace)."""
+        trace = self.prefetcher.trace
+        return trace.next_use(("param", c), 0) if trace is not None else float(c)
+
+    def _on_pin(self, c: int, hit: bool) -> None:
+        self.prefetcher.record_hit(hit)
+        upcoming = self.prefetcher.on_access(("param", c))
+        if isinstance(self.policy, NextUsePolicy):
+            self.policy.position = self.prefetcher.position
+        for key in upcoming:
+            if key[0] == "param" and self.adam.pending(key[1]):
+                continue        # its update writes the new values in memory; a read now would be stale
+            self.store.prefetch(key, "device")
+
+    # ---- backward ----------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+        self._pin_updated(self.module_chunks[module])
+        self.bwd_pins[module] += 1
+        if module not in self.bwd_remaining:
+            self.bwd_remaining[module] = self.grad_counts[module]
+        self.bwd_started.setdefault(module, time.perf_counter())
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
+        self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
+                      and self.optimizer.max_grad_norm is None and final_micro_batch)
+        if self.eager:
+            self._refresh_hypers()
+        self.parked = self._chunks_to_park() if self.eager and self.spills else set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _release_backward_pins(self, module: nn.Module) -> None:
+        started = self.bwd_started.pop(module, None)
+        if started is not None and self.tracer.enabled:
+            self.tracer.complete(f"backward {type(module).__name__}", "compute", started,
+                                 time.perf_counter(), "compute")
+        for _ in range(self.bwd_pins.pop(module, 0)):
+            for c in self.module_chunks[module]:
+                self.params.unpin(c)
+        self.bwd_remaining.pop(module, None)
+
+    def _end_backward(self) -> None:
+        for c in list(self.grad_views):
+            self._finish_grad_chunk(c)
+        for module in list(self.bwd_pins):
+            self._release_backward_pins(module)
+        self.params.unpin_all()
+        for c in sorted(self.ready | (self.parked & self.grad_chunks)):
+            self._submit(c)
+        self.adam.reorder(self._deadline)
+        self.micro_batches += 1
+        self._bwd_reset()
+
+    @staticmethod
+    def _autograd_running() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _abort_backward(self) -> None:
+        """A backward raised, so its end-of-backward callback never ran: release what it held.
+        Gradients accumulated so far stay, as they would in ``.grad`` with plain PyTorch."""
+        for c in list(self.grad_views):
+            self.grad_views.pop(c)
+            self.store.release(("grad", c), "device", dirty=True)
+        for module in list(self.bwd_pins):
+            self._release_backward_pins(module)
+        self.params.unpin_all()
+        self.ready.clear()
+        self._bwd_reset()
+
+    def _bwd_reset(self) -> None:
+        self.in_backward = False
+        self.eager = False
+        self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
+        self.bwd_remaining: dict[nn.Module, int] = {}
+        self.bwd_started: dict[nn.Module, float] = {}
+        self.bwd_grads: dict[int, int] = defaultdict(int)
+        self.grad_views: dict[int, torch.Tensor] = {}
+
