@@ -1,4 +1,4 @@
-"""The chunk store: every chunk of every kind, where its bytes live, and the moves between tiers.
+"""The chunk store: every chunk of every kind, where its bytes live, and access to them.
 
 Tiers are ordered from the compute device down to NVMe. A chunk may have a current copy on
 several tiers at once (a parameter chunk fetched to the device keeps its clean copy below, so
@@ -8,67 +8,29 @@ tiers; when one is full the store evicts by the policy, never a chunk that is pi
 or mid-move, and raises ``TierFullError`` naming the holders when nothing can go.
 
 Every public method takes the store's lock for its whole run, waits on I/O included: one lock,
-no lock-order puzzles. Prefetches are asynchronous (they return ``Move`` handles).
+no lock-order puzzles. Prefetches are asynchronous (they return ``Move`` handles). How moves
+run and how a full tier makes room is the other half, in ``traffic.py``.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from ..errors import ConfigError, StateError, TierFullError
+from ..errors import ConfigError, StateError
 from ..scheduler.eviction import EvictionPolicy, LRUPolicy
 from ..tiers.memory import MemoryTier
-from ..tiers.moves import Move, copy_between
+from ..tiers.moves import Move
 from ..tiers.nvme import NvmeSlot, NvmeTier
+from .records import ChunkKey, ChunkRecord
 from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
-
-ChunkKey = tuple[str, int]   # (kind, index)
-
-# How long making room waits for another thread (the optimizer worker) to unpin chunks before
-# declaring the tier full.
-PIN_WAIT_S = 60.0
+from .traffic import ChunkTraffic
 
 
-@dataclass(eq=False)
-class ChunkRecord:
-    key: ChunkKey
-    numel: int
-    dtype: torch.dtype
-    nbytes: int
-    state: ChunkState = ChunkState.FREE
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)     # memory tiers with a current copy
-    views: dict[str, torch.Tensor] = field(default_factory=dict)       # each copy's typed view, made once
-    incoming: dict[str, tuple[torch.Tensor | None, Move]] = field(default_factory=dict)
-    slot: NvmeSlot | None = None
-    nvme_valid: bool = False
-    pins: Counter = field(default_factory=Counter)
-    pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
-    version: int = 0        # bumped by every write; a move started on an older version is discarded
-
-    @property
-    def valid(self) -> set[str]:
-        return set(self.buffers) | ({"nvme"} if self.nvme_valid else set())
-
-    def has(self, tier: str) -> bool:
-        """A current copy lives on ``tier`` (``valid`` without building a set: hot paths ask this)."""
-        return tier in self.buffers or (tier == "nvme" and self.nvme_valid)
-
-    def only_on(self, tier: str) -> bool:
-        """``tier`` holds the last current copy."""
-        return not self.nvme_valid and len(self.buffers) == 1 and tier in self.buffers
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.incoming)
-
-
-class ChunkStore:
+class ChunkStore(ChunkTraffic):
     """Chunks of several kinds over an ordered list of tiers (top = compute device)."""
 
     def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None, *,
@@ -423,96 +385,6 @@ class ChunkStore:
     def _typed(buf: torch.Tensor, rec: ChunkRecord) -> torch.Tensor:
         return buf[: rec.nbytes].view(rec.dtype)[: rec.numel]
 
-    def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
-        self._protected[rec.key] += 1
-        try:
-            self._make_room(tier, rec.nbytes, rec.key)
-            return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
-        finally:
-            self._protected[rec.key] -= 1
-            if not self._protected[rec.key]:
-                del self._protected[rec.key]
-
-    def _hop(self, rec: ChunkRecord, target: str) -> tuple[Move | None, str, str]:
-        """The next hop (src, dst) that brings ``rec`` towards ``target``, from its closest
-        current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
-        if target in rec.incoming:
-            return rec.incoming[target][1], target, target
-        ti = self.order.index(target)
-        src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
-        si = self.order.index(src)
-        dst = self.order[si - 1 if si > ti else si + 1]
-        return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
-
-    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
-        if dst == "nvme":
-            buf = None
-            version = rec.version
-            move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
-        else:
-            buf = self._allocate(dst, rec)
-            # Making room may have waited (lock released): another thread may have moved or
-            # written this chunk meanwhile. Then this move is moot; the caller fetches again.
-            if dst in rec.incoming or rec.has(dst) or not rec.has(src):
-                self.tiers[dst].free(buf)
-                return rec.incoming[dst][1] if dst in rec.incoming else Move(src, dst, 0, None)
-            version = rec.version
-            if src == "nvme":
-                move = self.tiers["nvme"].read(rec.slot, buf, dst, urgent=rec.key[0] in self.urgent_kinds)
-            else:
-                move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
-
-        started = time.perf_counter()
-
-        def done() -> None:
-            self._in_flight.discard(move)
-            rec.incoming.pop(dst, None)
-            self.moved[(src, dst)] += rec.nbytes
-            if self.tracer is not None:
-                cat = "nvme" if "nvme" in (src, dst) else "copy"
-                self.tracer.complete(f"{rec.key[0]}{rec.key[1]} {src}->{dst}", cat, started,
-                                     time.perf_counter(), f"{src}->{dst}", bytes=rec.nbytes)
-            if rec.version != version:       # written meanwhile: this copy is stale
-                if buf is not None:
-                    self.tiers[dst].free(buf)
-                return
-            if dst == "nvme":
-                rec.nvme_valid = True
-            else:
-                self._add_copy(rec, dst, buf)
-
-        def failed() -> None:
-            self._in_flight.discard(move)
-            rec.incoming.pop(dst, None)
-            if buf is not None:
-                self.tiers[dst].free(buf)
-
-        move.on_done, move.on_fail = done, failed
-        rec.incoming[dst] = (buf, move)
-        if move.synchronous:   # a CPU copy already done: settle it now
-            move.finish()
-        else:
-            self._in_flight.add(move)
-        return move
-
-    def _reap(self) -> None:
-        """Finish every move whose I/O is already done (their chunks become evictable)."""
-        for move in [m for m in self._in_flight if m.io_ready()]:
-            move.finish()
-
-    def wait_idle(self) -> None:
-        """Wait for every asynchronous move under way (write-backs started by the optimizer
-        included) and finish it."""
-        with self.lock:
-            while self._in_flight:
-                next(iter(self._in_flight)).wait()
-
-    def _settle(self, rec: ChunkRecord) -> None:
-        """Wait for every move into or out of ``rec`` to finish."""
-        while rec.incoming:
-            _, move = next(iter(rec.incoming.values()))
-            move.wait()
-
     def _modified(self, rec: ChunkRecord, tier: str) -> None:
         rec.version += 1
         for other, buf in list(rec.buffers.items()):
@@ -521,68 +393,6 @@ class ChunkStore:
                     raise StateError(f"chunk {rec.key} was written on {tier!r} while pinned on {other!r}")
                 self._drop_copy(rec, other)
         rec.nvme_valid = False
-
-    def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
-        if rec.key == exclude or rec.key in self._protected or tier not in rec.buffers or rec.pins[tier] \
-                or rec.busy:
-            return False
-        # The last current copy may only leave if there is a tier below to write it to.
-        return not rec.only_on(tier) or self.order.index(tier) < len(self.order) - 1
-
-    def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
-        """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
-        policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
-        t = self.tiers[tier]
-        if not t.can_allocate(nbytes):
-            self._reap()
-        while not t.can_allocate(nbytes):
-            candidates = [k for k in self.resident[tier] if self._evictable(self.records[k], tier, exclude)]
-            if later_than is not None:
-                candidates = [k for k in candidates if self.policy.rank(k) > later_than]
-                if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
-                    return False
-            if not candidates and later_than is None:
-                # Chunks mid-move (landing here, or being written down from here) become evictable
-                # once their move is done; chunks another thread has pinned, once it lets go.
-                moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
-                          for _, m in r.incoming.values()]
-                if moving:
-                    moving[0].wait()
-                    continue
-                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
-                    continue
-                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
-            if not candidates:
-                return False
-            need = t.shortfall(nbytes)
-            for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
-                self._evict(self.records[key], tier)
-                if t.can_allocate(nbytes):
-                    break
-        return True
-
-    def _pinned_elsewhere(self, tier: str) -> bool:
-        me = threading.get_ident()
-        return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
-
-    def start_writeback(self, key: ChunkKey) -> Move | None:
-        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
-        so that evicting it later costs nothing. None when there is nothing to do."""
-        with self.lock:
-            rec = self._rec(key)
-            low = self._lowest_memory_tier()
-            if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
-                return None
-            return self._start_move(rec, low, "nvme")
-
-    def _evict(self, rec: ChunkRecord, tier: str) -> None:
-        if rec.only_on(tier):
-            below = self.order[self.order.index(tier) + 1]
-            self._start_move(rec, tier, below).wait()
-        # Making room below may have let another thread pin or rewrite the chunk: then it stays.
-        if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
-            return
-        self._drop_copy(rec, tier)
 
     def _drop_copy(self, rec: ChunkRecord, tier: str) -> None:
         """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
@@ -596,18 +406,3 @@ class ChunkStore:
         rec.buffers[tier] = buf
         rec.views[tier] = self._typed(buf, rec) if view is None else view
         self.resident[tier][rec.key] = None
-
-    def _holders(self, tier: str) -> str:
-        pinned = [r for r in self.records.values() if r.pins.get(tier)]
-        moving = [r for r in self.records.values() if tier in r.incoming]
-        parts = []
-        if pinned:
-            parts.append(f"{len(pinned)} chunks in COMPUTE ({', '.join(f'{k}{i}' for (k, i) in (r.key for r in pinned[:6]))}"
-                         f"{', ...' if len(pinned) > 6 else ''})")
-        if moving:
-            parts.append(f"{len(moving)} chunks mid-move")
-        held = sum(r.nbytes for r in self.records.values() if tier in r.buffers)
-        parts.append(f"{held} bytes of chunk copies")
-        if tier == self._lowest_memory_tier() and "nvme" not in self.tiers:
-            parts.append("no NVMe tier to spill to (set nvme_paths)")
-        return "; ".join(parts)

@@ -1,0 +1,47 @@
+"""A chunk's record: where its copies live, what is moving it, who pins it, and its version."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tiers.moves import Move
+from ..tiers.nvme import NvmeSlot
+from .states import ChunkState
+
+ChunkKey = tuple[str, int]   # (kind, index)
+
+
+@dataclass(eq=False)
+class ChunkRecord:
+    key: ChunkKey
+    numel: int
+    dtype: torch.dtype
+    nbytes: int
+    state: ChunkState = ChunkState.FREE
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)     # memory tiers with a current copy
+    views: dict[str, torch.Tensor] = field(default_factory=dict)       # each copy's typed view, made once
+    incoming: dict[str, tuple[torch.Tensor | None, Move]] = field(default_factory=dict)
+    slot: NvmeSlot | None = None
+    nvme_valid: bool = False
+    pins: Counter = field(default_factory=Counter)
+    pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
+    version: int = 0        # bumped by every write; a move started on an older version is discarded
+
+    @property
+    def valid(self) -> set[str]:
+        return set(self.buffers) | ({"nvme"} if self.nvme_valid else set())
+
+    def has(self, tier: str) -> bool:
+        """A current copy lives on ``tier`` (``valid`` without building a set: hot paths ask this)."""
+        return tier in self.buffers or (tier == "nvme" and self.nvme_valid)
+
+    def only_on(self, tier: str) -> bool:
+        """``tier`` holds the last current copy."""
+        return not self.nvme_valid and len(self.buffers) == 1 and tier in self.buffers
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.incoming)

@@ -1,0 +1,196 @@
+"""How chunks move between tiers, and how a full tier makes room: the store's traffic half.
+
+A move is one hop between adjacent tiers (device <-> CPU by a copy, CPU <-> NVMe by AIO). It is
+asynchronous: the chunk is busy (``incoming``) until the move is finished, and only then does
+its new copy count. Making room on a full tier evicts by the eviction policy: a copy that is not
+the last current one is dropped, the last one is written one tier down first. Nothing pinned,
+protected or mid-move is evicted; when nothing can go, the caller waits for moves and pins, and
+then ``TierFullError`` names who holds the tier.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Hashable
+
+import torch
+
+from ..errors import TierFullError
+from ..tiers.moves import Move, copy_between
+from .records import ChunkKey, ChunkRecord
+
+# How long making room waits for another thread (the optimizer worker) to unpin chunks before
+# declaring the tier full.
+PIN_WAIT_S = 60.0
+
+
+class ChunkTraffic:
+    """Moves and room-making of ``ChunkStore`` (a mixin: the state lives on the store)."""
+
+    def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
+        self._protected[rec.key] += 1
+        try:
+            self._make_room(tier, rec.nbytes, rec.key)
+            return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
+        finally:
+            self._protected[rec.key] -= 1
+            if not self._protected[rec.key]:
+                del self._protected[rec.key]
+
+    def _hop(self, rec: ChunkRecord, target: str) -> tuple[Move | None, str, str]:
+        """The next hop (src, dst) that brings ``rec`` towards ``target``, from its closest
+        current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
+        if target in rec.incoming:
+            return rec.incoming[target][1], target, target
+        ti = self.order.index(target)
+        src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
+        si = self.order.index(src)
+        dst = self.order[si - 1 if si > ti else si + 1]
+        return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
+
+    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
+        if dst == "nvme":
+            buf = None
+            version = rec.version
+            move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
+        else:
+            buf = self._allocate(dst, rec)
+            # Making room may have waited (lock released): another thread may have moved or
+            # written this chunk meanwhile. Then this move is moot; the caller fetches again.
+            if dst in rec.incoming or rec.has(dst) or not rec.has(src):
+                self.tiers[dst].free(buf)
+                return rec.incoming[dst][1] if dst in rec.incoming else Move(src, dst, 0, None)
+            version = rec.version
+            if src == "nvme":
+                move = self.tiers["nvme"].read(rec.slot, buf, dst, urgent=rec.key[0] in self.urgent_kinds)
+            else:
+                move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
+
+        started = time.perf_counter()
+
+        def done() -> None:
+            self._in_flight.discard(move)
+            rec.incoming.pop(dst, None)
+            self.moved[(src, dst)] += rec.nbytes
+            if self.tracer is not None:
+                cat = "nvme" if "nvme" in (src, dst) else "copy"
+                self.tracer.complete(f"{rec.key[0]}{rec.key[1]} {src}->{dst}", cat, started,
+                                     time.perf_counter(), f"{src}->{dst}", bytes=rec.nbytes)
+            if rec.version != version:       # written meanwhile: this copy is stale
+                if buf is not None:
+                    self.tiers[dst].free(buf)
+                return
+            if dst == "nvme":
+                rec.nvme_valid = True
+            else:
+                self._add_copy(rec, dst, buf)
+
+        def failed() -> None:
+            self._in_flight.discard(move)
+            rec.incoming.pop(dst, None)
+            if buf is not None:
+                self.tiers[dst].free(buf)
+
+        move.on_done, move.on_fail = done, failed
+        rec.incoming[dst] = (buf, move)
+        if move.synchronous:   # a CPU copy already done: settle it now
+            move.finish()
+        else:
+            self._in_flight.add(move)
+        return move
+
+    def _reap(self) -> None:
+        """Finish every move whose I/O is already done (their chunks become evictable)."""
+        for move in [m for m in self._in_flight if m.io_ready()]:
+            move.finish()
+
+    def wait_idle(self) -> None:
+        """Wait for every asynchronous move under way (write-backs started by the optimizer
+        included) and finish it."""
+        with self.lock:
+            while self._in_flight:
+                next(iter(self._in_flight)).wait()
+
+    def _settle(self, rec: ChunkRecord) -> None:
+        """Wait for every move into or out of ``rec`` to finish."""
+        while rec.incoming:
+            _, move = next(iter(rec.incoming.values()))
+            move.wait()
+
+    def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
+        if rec.key == exclude or rec.key in self._protected or tier not in rec.buffers or rec.pins[tier] \
+                or rec.busy:
+            return False
+        # The last current copy may only leave if there is a tier below to write it to.
+        return not rec.only_on(tier) or self.order.index(tier) < len(self.order) - 1
+
+    def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
+        """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
+        policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
+        t = self.tiers[tier]
+        if not t.can_allocate(nbytes):
+            self._reap()
+        while not t.can_allocate(nbytes):
+            candidates = [k for k in self.resident[tier] if self._evictable(self.records[k], tier, exclude)]
+            if later_than is not None:
+                candidates = [k for k in candidates if self.policy.rank(k) > later_than]
+                if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
+                    return False
+            if not candidates and later_than is None:
+                # Chunks mid-move (landing here, or being written down from here) become evictable
+                # once their move is done; chunks another thread has pinned, once it lets go.
+                moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
+                          for _, m in r.incoming.values()]
+                if moving:
+                    moving[0].wait()
+                    continue
+                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
+                    continue
+                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+            if not candidates:
+                return False
+            need = t.shortfall(nbytes)
+            for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
+                self._evict(self.records[key], tier)
+                if t.can_allocate(nbytes):
+                    break
+        return True
+
+    def _pinned_elsewhere(self, tier: str) -> bool:
+        me = threading.get_ident()
+        return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
+
+    def start_writeback(self, key: ChunkKey) -> Move | None:
+        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
+        so that evicting it later costs nothing. None when there is nothing to do."""
+        with self.lock:
+            rec = self._rec(key)
+            low = self._lowest_memory_tier()
+            if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
+                return None
+            return self._start_move(rec, low, "nvme")
+
+    def _evict(self, rec: ChunkRecord, tier: str) -> None:
+        if rec.only_on(tier):
+            below = self.order[self.order.index(tier) + 1]
+            self._start_move(rec, tier, below).wait()
+        # Making room below may have let another thread pin or rewrite the chunk: then it stays.
+        if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
+            return
+        self._drop_copy(rec, tier)
+
+    def _holders(self, tier: str) -> str:
+        pinned = [r for r in self.records.values() if r.pins.get(tier)]
+        moving = [r for r in self.records.values() if tier in r.incoming]
+        parts = []
+        if pinned:
+            parts.append(f"{len(pinned)} chunks in COMPUTE ({', '.join(f'{k}{i}' for (k, i) in (r.key for r in pinned[:6]))}"
+                         f"{', ...' if len(pinned) > 6 else ''})")
+        if moving:
+            parts.append(f"{len(moving)} chunks mid-move")
+        held = sum(r.nbytes for r in self.records.values() if tier in r.buffers)
+        parts.append(f"{held} bytes of chunk copies")
+        if tier == self._lowest_memory_tier() and "nvme" not in self.tiers:
+            parts.append("no NVMe tier to spill to (set nvme_paths)")
+        return "; ".join(parts)
