@@ -4,6 +4,7 @@ from .config import AioConfig, OffloadConfig, parse_bytes
 from .errors import (
     ChecksumError,
     ConfigError,
+    DeviceMemoryError,
     NativeError,
     NvmeIOError,
     OffloadError,
@@ -42,6 +43,7 @@ __all__ = [
     "AioConfig",
     "ChecksumError",
     "ConfigError",
+    "DeviceMemoryError",
     "NativeError",
     "NvmeIOError",
     "OffloadConfig",

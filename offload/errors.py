@@ -74,6 +74,12 @@ class TierFullError(OffloadError, MemoryError):
                          f"{requested} more requested and nothing evictable{held}")
 
 
+class DeviceMemoryError(OffloadError, MemoryError):
+    """The GPU itself ran out of memory for a chunk buffer inside the device budget: the budget
+    and what the rest of the process (activations, other tensors) holds add up to more than the
+    card has. Names the tier, the budget and CUDA's own figures."""
+
+
 class PinnedMemoryError(OffloadError, MemoryError):
     """A page-locked or aligned host allocation was refused before it could OOM the process."""
 

@@ -151,6 +151,12 @@ def buffer_lock(address: int, nbytes: int) -> int:
     return int(lib.off_buffer_lock(ffi.cast("void *", address), nbytes))
 
 
+def buffer_unlock(address: int, nbytes: int) -> int:
+    """munlock ``nbytes`` at ``address``: 0 or -errno."""
+    ffi, lib = load()
+    return int(lib.off_buffer_unlock(ffi.cast("void *", address), nbytes))
+
+
 def crc32c(address: int, nbytes: int, crc: int = 0, *, portable: bool = False) -> int:
     """CRC32C of ``nbytes`` bytes at ``address``, continuing from ``crc`` (SSE4.2 unless ``portable``)."""
     ffi, lib = load()

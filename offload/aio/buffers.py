@@ -20,6 +20,7 @@ import torch
 
 from .. import native
 from ..errors import ConfigError, PinnedMemoryError, StateError, TierFullError
+from .pinning import default_pinner
 
 HUGE_PAGE = 2 << 20
 PAGE = 4096
@@ -111,10 +112,10 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
     """
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ConfigError("numel", numel, "expected an element count >= 0")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = numel * itemsize
     if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device="cpu")
     if hugepage is None:
         hugepage = nbytes >= HUGEPAGE_MIN_BYTES
     if pin:
@@ -130,19 +131,10 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, *, hugepage: boo
 
 def _alloc_pinned(nbytes: int, hugepage: bool, populate: bool):
     buf, address = native.buffer_alloc(nbytes, hugepage=hugepage, populate=True)
-    if _cuda_pinning():
-        # Not exercised on a CPU-only machine; cudaHostRegister pins for DMA from the GPU.
-        cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(address, nbytes, 0))
-        if rc != 0:
-            raise PinnedMemoryError(f"cudaHostRegister of {nbytes} bytes failed (CUDA error {rc})")
-        return buf, address, lambda: cudart.cudaHostUnregister(address)
-    rc = native.buffer_lock(address, nbytes)
-    if rc < 0:
-        limit, used = _memlock()
-        raise PinnedMemoryError(f"mlock of {nbytes} bytes refused (errno {-rc}): ulimit -l is "
-                                f"{'unlimited' if limit is None else limit} bytes, {used} locked already")
-    return buf, address, None   # munmap unlocks
+    pinner = default_pinner()
+    pinner.pin(address, nbytes)
+    # munmap unlocks an mlock by itself; a CUDA registration must be undone before the unmap.
+    return buf, address, (lambda: pinner.unpin(address, nbytes)) if _cuda_pinning() else None
 
 
 def _keepalive_unpin(tensor: torch.Tensor, unpin) -> None:

@@ -1,38 +1,49 @@
-"""A memory tier (the compute device, or CPU memory): a budgeted pool of reusable byte buffers.
+"""A memory tier (the compute device, or CPU memory): a budgeted set of reusable byte buffers.
 
-Buffers are flat ``uint8`` tensors; a chunk views one as its dtype. Freed buffers stay in the
-pool for the next chunk of the same size (freshly touched pages cost ~40x more than reused
-ones on these machines), and are handed back to the system only when a request of another size
-needs their share of the budget. ``reserved`` (pooled + in use) never exceeds ``budget``.
+Buffers are flat ``uint8`` tensors; a chunk views one as its dtype. ``reserved`` (pooled + in
+use) never exceeds ``budget``.
 
-A host tier that feeds O_DIRECT I/O (``aligned``, not pinned) instead carves every buffer out
-of one huge-page-advised mapping of ``budget`` bytes (see ``arena``): chunks of every size share
-it, and nothing is mapped or unmapped while training runs. Pages are touched only as they are
-first used, so resident memory grows to the peak use, never beyond the budget.
+A host tier (``aligned`` for O_DIRECT, or ``pin`` for asynchronous CUDA copies) carves every
+buffer out of one huge-page-advised mapping of ``budget`` bytes (see ``arena``): chunks of every
+size share it, and nothing is mapped, unmapped, registered or unregistered while training runs.
+Unpinned, pages are touched only as they are first used, so resident memory grows to the peak
+use, never beyond the budget. Pinned, the whole mapping is page-locked once, at the first
+allocation (``cudaHostRegister`` with CUDA): registration populates it, and a chunk of any size
+may land anywhere in it, so it is registered whole rather than buffer by buffer — a
+register/unregister per buffer costs a page-table walk of MiBs each time, and freeing buffers of
+one size to make room for another did that dozens of times a step.
+
+The device tier keeps freed buffers in a pool keyed by size (freshly touched pages cost ~40x
+more than reused ones; on a GPU a cudaMalloc is a synchronisation) and gives them back only when
+a request of another size needs their share of the budget. A freed device buffer may still be
+read by GPU work queued before it was freed: ``free`` takes the CUDA events that work ends with
+(its *fences*) and ``take_fences`` hands them to the buffer's next user, which makes its own
+stream wait for them.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from ..errors import TierFullError
+from ..errors import DeviceMemoryError, TierFullError
 from .arena import Extents
 
 HUGEPAGE = 2 << 20
 
 
 class MemoryTier:
-    """A byte budget on one device with a size-keyed buffer pool.
+    """A byte budget on one device.
 
-    ``aligned`` asks for 4 KiB-aligned (O_DIRECT-able) host buffers; ``pin`` page-locks them
-    for asynchronous CUDA copies.
+    ``aligned`` asks for 4 KiB-aligned (O_DIRECT-able) host buffers; ``pin`` page-locks them for
+    asynchronous CUDA copies, through ``pinner`` (default: ``offload.aio.pinning.default_pinner()``).
     """
 
     def __init__(self, name: str, budget: int, device: torch.device | str = "cpu", *,
-                 aligned: bool = False, pin: bool = False):
+                 aligned: bool = False, pin: bool = False, pinner=None):
         self.name = name
         self.budget = int(budget)
         self.device = torch.device(device)
@@ -41,12 +52,15 @@ class MemoryTier:
         self.in_use = 0                     # bytes handed out
         self._pooled: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
-        # Aligned unpinned host memory is one arena: its bookkeeping now, its mapping at first use.
-        arena = self.device.type == "cpu" and aligned and not pin
+        self._fences: dict[int, list] = {}  # device buffer address -> events its last users end with
+        # Host memory for O_DIRECT or DMA is one arena: its bookkeeping now, its mapping at first use.
+        arena = self.device.type == "cpu" and (aligned or pin)
         self._extents = Extents(self.budget // 4096 * 4096) if arena else None
         self._mapping: memoryview | None = None
         self._base = 0
         self._largest_request = 0
+        self._pinner = pinner
+        self._unpin_at_exit = None
 
     @property
     def reserved(self) -> int:
@@ -70,7 +84,8 @@ class MemoryTier:
         return nbytes - self.free_bytes if nbytes > self.free_bytes else nbytes
 
     def allocate(self, nbytes: int, holders: Callable[[], str] = lambda: "") -> torch.Tensor:
-        """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it."""
+        """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it. A reused
+        device buffer may come with fences (``take_fences``) its new user must wait for."""
         if not self.can_allocate(nbytes):
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
         if self._extents is not None:
@@ -87,30 +102,37 @@ class MemoryTier:
         self.in_use += nbytes
         return buf
 
-    def free(self, buf: torch.Tensor) -> None:
-        """Return a buffer to the pool (it stays reserved for the next chunk of its size)."""
+    def free(self, buf: torch.Tensor, fences: Sequence = ()) -> None:
+        """Return a buffer (it stays reserved for the next chunk of its size). ``fences``: CUDA
+        events after which no GPU work queued so far uses it (device tiers only)."""
         nbytes = buf.numel()
         self.in_use -= nbytes
         if self._extents is not None:
             self._extents.free(buf.data_ptr() - self._base, nbytes)
             return
+        if fences:
+            self._fences[buf.data_ptr()] = [*self._fences.get(buf.data_ptr(), ()), *fences]
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
+
+    def take_fences(self, buf: torch.Tensor) -> list:
+        """The events ``buf``'s previous users end with (and forget them): wait for them on the
+        stream that uses it next."""
+        return self._fences.pop(buf.data_ptr(), [])
 
     def _shrink_pool(self, keep: int) -> None:
         # Release pooled buffers (largest first) until at most ``keep`` pooled bytes remain.
         for size in sorted(self._pooled, reverse=True):
             pool = self._pooled[size]
             while pool and self._pooled_bytes > max(keep, 0):
-                pool.pop()
+                buf = pool.pop()
+                for event in self._fences.pop(buf.data_ptr(), ()):
+                    event.synchronize()     # the caching allocator may hand it out at once
                 self._pooled_bytes -= size
 
     def _from_arena(self, nbytes: int) -> torch.Tensor:
-        from .. import native
-
         if self._mapping is None:
-            mapping, self._base = native.buffer_alloc(self.budget, hugepage=True, populate=False)
-            self._mapping = memoryview(mapping)
+            self._map_arena()
         # The largest size seen (fp32 chunks) grows from the bottom, smaller ones from the top.
         self._largest_request = max(self._largest_request, nbytes)
         start = self._extents.allocate(nbytes, top=nbytes < self._largest_request)
@@ -120,14 +142,42 @@ class MemoryTier:
         # apart by storage address), keeping the mapping alive as long as it lives.
         return torch.frombuffer(self._mapping[start:start + nbytes], dtype=torch.uint8)
 
-    def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cpu" and self.pin:      # aligned and unpinned: the arena
-            from ..aio import aligned_empty
+    def _map_arena(self) -> None:
+        from .. import native
 
-            # Huge pages let 1 MiB O_DIRECT requests go through whole, but a buffer that is not a
-            # whole number of them would hold (and count in RSS) more than its budgeted bytes.
-            return aligned_empty(nbytes, torch.uint8, pin=True, hugepage=nbytes % HUGEPAGE == 0)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        size = self._extents.size
+        if self.pin and size:
+            from ..aio.buffers import check_host_budget
+
+            check_host_budget(size, pin=True)       # refuse before touching a page
+        mapping, self._base = native.buffer_alloc(size, hugepage=True, populate=self.pin)
+        if self.pin and size:
+            from ..aio.pinning import default_pinner
+
+            pinner = self._pinner if self._pinner is not None else default_pinner()
+            pinner.pin(self._base, size)
+            # Undone when the tier goes, before the mapping can be unmapped: chunk tensors still
+            # viewing it keep it mapped (merely unpinned) until they go too.
+            self._unpin_at_exit = weakref.finalize(self, pinner.unpin, self._base, size)
+        self._mapping = memoryview(mapping)
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            # The budget is ours; the card is shared with activations and everything else.
+            self._shrink_pool(0)
+            torch.cuda.empty_cache()
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError:
+                free, total = torch.cuda.mem_get_info(self.device)
+                raise DeviceMemoryError(
+                    f"tier {self.name!r} on {self.device}: CUDA has no {nbytes} bytes left for a chunk "
+                    f"buffer ({self.in_use} of the {self.budget}-byte device budget in use, {free} of "
+                    f"{total} bytes free on the card, {torch.cuda.memory_allocated(self.device)} "
+                    "allocated by this process): activations and other tensors need more than the "
+                    "budget leaves; lower device_budget or the batch") from None
 
     def describe(self) -> dict:
         return {"budget": self.budget, "in_use": self.in_use, "reserved": self.reserved,
