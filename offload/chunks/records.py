@@ -29,6 +29,11 @@ class ChunkRecord:
     pins: Counter = field(default_factory=Counter)
     pin_threads: Counter = field(default_factory=Counter)   # thread id -> pins it holds
     version: int = 0        # bumped by every write; a move started on an older version is discarded
+    # With CUDA streams (see offload.tiers.streams): per device-tier copy, the fence after which its
+    # bytes are complete (the upload that brought it, or the compute that last wrote it) ...
+    ready: dict = field(default_factory=dict)
+    # ... and per copy, the fences of copies in flight that read it (it must outlive them).
+    readers: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> set[str]:

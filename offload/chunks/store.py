@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -57,6 +58,8 @@ class ChunkStore(ChunkTraffic):
         # Called as on_free(key, tier) just before a copy's buffer goes back to its tier (under the
         # lock): the engine keeps parameters viewing idle chunks and detaches them here.
         self.on_free = None
+        # The CUDA streams copies run on (offload.tiers.streams), when the top tier is a GPU.
+        self.streams = None
         self.records: dict[ChunkKey, ChunkRecord] = {}
         self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
         # tier -> keys holding a copy there (a dict for its insertion order: ties evict deterministically)
@@ -72,7 +75,7 @@ class ChunkStore(ChunkTraffic):
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
         """Add ``count`` chunks of ``numel`` elements of ``dtype`` under ``kind``; reserves NVMe slots."""
         with self.lock:
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             keys = [(kind, i) for i in range(count)]
             if any(k in self.records for k in keys):
                 raise ConfigError("kind", kind, "is already registered")
@@ -108,14 +111,17 @@ class ChunkStore(ChunkTraffic):
             buf = self._allocate(tier, rec)
             view = self._typed(buf, rec)
             try:
-                if fill is None:
-                    view.zero_()
-                else:
-                    fill(view)
+                self._compute_adopts(tier, buf)
+                with self._compute_owns(tier):
+                    if fill is None:
+                        view.zero_()
+                    else:
+                        fill(view)
             except BaseException:
                 self.tiers[tier].free(buf)        # the chunk stays FREE, its budget unspent
                 raise
             self._add_copy(rec, tier, buf, view)
+            self._written(rec, tier)
             rec.version += 1
             self._set_state(rec, ChunkState.HOLD)
 
@@ -173,6 +179,20 @@ class ChunkStore(ChunkTraffic):
                     return None
             return self._start_move(rec, src, dst)
 
+    def landed(self, key: ChunkKey, tier: str) -> bool:
+        """Whether a current copy of ``key`` is on ``tier``, counting a move there whose bytes
+        have landed (it is finished now: nobody has asked for it since it was started)."""
+        tier = self.tier_name(tier)
+        with self.lock:
+            rec = self._rec(key)
+            if rec.has(tier):
+                return True
+            pending = rec.incoming.get(tier)
+            if pending is not None and pending[1].io_ready():
+                pending[1].finish()
+                return rec.has(tier)
+            return False
+
     def ensure(self, key: ChunkKey, tier: str) -> None:
         """Bring a current copy of ``key`` onto ``tier`` and wait for it.
 
@@ -215,10 +235,13 @@ class ChunkStore(ChunkTraffic):
                         else:
                             if rec.state is ChunkState.FREE:
                                 self._set_state(rec, ChunkState.HOLD)
+                            self._compute_adopts(tier, buf)
                             self._add_copy(rec, tier, buf)
                         self._modified(rec, tier)
                     if tier not in rec.buffers:
                         continue        # it left between the fetch and here: again
+                    if not self._gpu_tier(tier) and tier in rec.readers:
+                        self._quiesce(rec, tier)        # the caller may write it on the host
                     rec.pins[tier] += 1
                     rec.pin_threads[threading.get_ident()] += 1
                     if rec.state is ChunkState.HOLD:
@@ -240,6 +263,7 @@ class ChunkStore(ChunkTraffic):
                 raise StateError(f"chunk {key} is not pinned on {tier!r}")
             if dirty:
                 self._modified(rec, tier)
+                self._written(rec, tier)
             rec.pins[tier] -= 1
             me = threading.get_ident()
             rec.pin_threads[me] -= 1
@@ -285,7 +309,7 @@ class ChunkStore(ChunkTraffic):
             from ..aio import aligned_empty
 
             return [aligned_empty(nbytes, torch.uint8, populate=True) for _ in range(count)]
-        return [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
+        return [torch.zeros(nbytes, dtype=torch.uint8, device="cpu") for _ in range(count)]
 
     def read_into(self, key: ChunkKey, out: torch.Tensor) -> torch.Tensor:
         """``read`` without allocating: copy the chunk's current contents into ``out`` and return its
@@ -299,7 +323,8 @@ class ChunkStore(ChunkTraffic):
             typed = self._typed(out, rec)
             for tier in self.order:
                 if tier in rec.buffers:
-                    typed.copy_(rec.views[tier])
+                    with self._compute_owns(tier):
+                        typed.copy_(rec.views[tier])
                     return typed
             self.tiers["nvme"].read(rec.slot, out[: rec.slot.nbytes]).wait()
             self.moved[("nvme", "host")] += rec.nbytes
@@ -320,7 +345,8 @@ class ChunkStore(ChunkTraffic):
                 return
             view = self.access(key, tier, overwrite=True)
             try:
-                view.copy_(data.reshape(-1))
+                with self._compute_owns(tier):
+                    view.copy_(data.reshape(-1))
             finally:
                 self.release(key, tier, dirty=True)
 
@@ -398,9 +424,33 @@ class ChunkStore(ChunkTraffic):
         """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
         if self.on_free is not None:
             self.on_free(rec.key, tier)
-        self.tiers[tier].free(rec.buffers.pop(tier))
+        rec.ready.pop(tier, None)
+        self._free_buffer(tier, rec.buffers.pop(tier), rec.readers.pop(tier, ()))
         del rec.views[tier]
         self.resident[tier].pop(rec.key, None)
+
+    def _written(self, rec: ChunkRecord, tier: str) -> None:
+        """The caller just wrote ``rec``'s copy on ``tier``: on a GPU, a copy out of it must wait
+        for the compute queued so far."""
+        if self._gpu_tier(tier):
+            rec.ready[tier] = self.streams.compute_fence()
+
+    def _compute_adopts(self, tier: str, buf: torch.Tensor) -> None:
+        """A fresh buffer on a GPU tier is about to be written by compute: compute first waits for
+        its last users (the fences it was freed with)."""
+        if self._gpu_tier(tier):
+            for fence in self.tiers[tier].take_fences(buf):
+                self.streams.compute_wait(fence)
+
+    @contextmanager
+    def _compute_owns(self, tier: str) -> Iterator[None]:
+        """Device work on ``tier`` issued inside runs on the compute stream, whichever thread
+        issues it (the Adam worker, a checkpoint writer, autograd's thread)."""
+        if not self._gpu_tier(tier):
+            yield
+            return
+        with self.streams.on_compute():
+            yield
 
     def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor, view: torch.Tensor | None = None) -> None:
         rec.buffers[tier] = buf

@@ -29,6 +29,9 @@ class ChunkTraffic:
     """Moves and room-making of ``ChunkStore`` (a mixin: the state lives on the store)."""
 
     def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
+        """A buffer for ``rec`` on ``tier``, making room first. A reused GPU buffer keeps its
+        fences in the tier: a copy into it waits for them on its stream, compute through
+        ``_compute_adopts``."""
         self._protected[rec.key] += 1
         try:
             self._make_room(tier, rec.nbytes, rec.key)
@@ -50,6 +53,7 @@ class ChunkTraffic:
         return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
 
     def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
+        fence = None        # a CUDA copy's end, while it may still be running
         if dst == "nvme":
             buf = None
             version = rec.version
@@ -65,7 +69,7 @@ class ChunkTraffic:
             if src == "nvme":
                 move = self.tiers["nvme"].read(rec.slot, buf, dst, urgent=rec.key[0] in self.urgent_kinds)
             else:
-                move = copy_between(buf[: rec.nbytes], rec.buffers[src][: rec.nbytes], src, dst)
+                move, fence = self._copy(rec, buf, src, dst)
 
         started = time.perf_counter()
 
@@ -79,7 +83,7 @@ class ChunkTraffic:
                                      time.perf_counter(), f"{src}->{dst}", bytes=rec.nbytes)
             if rec.version != version:       # written meanwhile: this copy is stale
                 if buf is not None:
-                    self.tiers[dst].free(buf)
+                    self._free_buffer(dst, buf, [fence] if fence is not None else [])
                 return
             if dst == "nvme":
                 rec.nvme_valid = True
@@ -99,6 +103,51 @@ class ChunkTraffic:
         else:
             self._in_flight.add(move)
         return move
+
+    def _copy(self, rec: ChunkRecord, buf: torch.Tensor, src: str, dst: str):
+        """Start copying ``rec``'s copy on ``src`` into ``buf`` on ``dst``: ``(move, fence)``, the
+        fence being None for a synchronous host copy."""
+        n = rec.nbytes
+        if not (self._gpu_tier(src) or self._gpu_tier(dst)):
+            return copy_between(buf[:n], rec.buffers[src][:n], src, dst), None
+        upload = self._gpu_tier(dst)
+        # The buffer's last users and the work that wrote the source come first; nothing else.
+        after = self.tiers[dst].take_fences(buf) if upload else []
+        if src in rec.ready:
+            after.append(rec.ready[src])
+        move, fence = copy_between(buf[:n], rec.buffers[src][:n], src, dst, streams=self.streams,
+                                   upload=upload, after=after, name=f"{rec.key[0]}{rec.key[1]}")
+        self._add_reader(rec, src, fence)
+        if upload:
+            rec.ready[dst] = fence
+        return move, fence
+
+    def _gpu_tier(self, tier: str) -> bool:
+        """Whether ``tier`` is the compute device of a CUDA run (its copies run on streams)."""
+        return self.streams is not None and tier == self.order[0]
+
+    @staticmethod
+    def _add_reader(rec: ChunkRecord, tier: str, fence) -> None:
+        live = [f for f in rec.readers.get(tier, ()) if not f.query()]
+        live.append(fence)
+        rec.readers[tier] = live
+
+    def _quiesce(self, rec: ChunkRecord, tier: str) -> None:
+        """Wait (on the host) until no copy in flight reads ``rec``'s host copy on ``tier``: before
+        the host writes it or hands its buffer to someone else. Rarely waits: uploads are issued
+        well ahead of the writes that follow them."""
+        for fence in rec.readers.pop(tier, ()):
+            fence.synchronize()
+
+    def _free_buffer(self, tier: str, buf: torch.Tensor, readers) -> None:
+        """Give ``buf`` back to ``tier`` once nothing in flight uses it: on the GPU its next user's
+        stream waits for the fences (and for the compute queued so far); on the host we wait now."""
+        if self._gpu_tier(tier):
+            self.tiers[tier].free(buf, [*readers, self.streams.compute_fence()])
+            return
+        for fence in readers:
+            fence.synchronize()
+        self.tiers[tier].free(buf)
 
     def _reap(self) -> None:
         """Finish every move whose I/O is already done (their chunks become evictable)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from ..lazy import lazy_record
 from ..scheduler import TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
 from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes
+from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
 from .gradients import GradCapture
 from .module_hooks import ModuleHooks
@@ -81,6 +84,9 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         if config.nvme_paths is not None:
             tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
         self.store = ChunkStore(tiers, self.policy, aliases=aliases)
+        if self.device.type == "cuda":
+            # The compute stream is the one current now (and again at each forward's start).
+            self.store.streams = DeviceStreams(self.device)
         self.store.tracer = self.tracer
         self.store.urgent_kinds = frozenset({"param"})
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
@@ -183,6 +189,19 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
                     continue
                 dtype = self.dtype if buf.is_floating_point() else buf.dtype
                 module._buffers[name] = buf.to(self.device, dtype)
+
+    @contextmanager
+    def _on_compute(self, received: torch.Tensor | None = None) -> Iterator[None]:
+        """Device work issued inside runs on the compute stream (a no-op without CUDA streams);
+        ``received``: a tensor made on the calling thread's current stream that it reads."""
+        streams = self.store.streams
+        if streams is None:
+            yield
+            return
+        if received is not None:
+            streams.receive(received)
+        with streams.on_compute():
+            yield
 
     # ---- statistics --------------------------------------------------------------------------
     def _finish_step_stats(self, applied: bool) -> None:

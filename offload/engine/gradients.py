@@ -37,10 +37,11 @@ class GradCapture:
                 self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))
             self.grad_views[c] = self.store.access(key, "device")
         target = self.grad_views[c][ref.slot.offset:ref.slot.end]
-        if ref.index in self.with_grad:
-            target.add_(g.reshape(-1))       # accumulating micro-batches
-        else:
-            target.copy_(g.reshape(-1))
+        with self._on_compute(g):
+            if ref.index in self.with_grad:
+                target.add_(g.reshape(-1))       # accumulating micro-batches
+            else:
+                target.copy_(g.reshape(-1))
         self.with_grad.add(ref.index)
         self.grad_chunks.add(c)
         self.bwd_grads[c] += 1
@@ -72,13 +73,14 @@ class GradCapture:
 
     def _finish_grad_chunk(self, c: int) -> None:
         view = self.grad_views.pop(c)
-        for p in self.params.chunk_members[c]:      # trainable but no gradient yet this window
-            ref = self.params.ref(p)
-            if p.requires_grad and ref.index not in self.with_grad:
-                view[ref.slot.offset:ref.slot.end].zero_()
-        if not self.eager:   # the update waits for backward: clipping or overflow checks may need the norm
-            v = view if view.dtype == torch.float32 else view.float()
-            self.sumsq[c] = torch.dot(v, v)
+        with self._on_compute():
+            for p in self.params.chunk_members[c]:      # trainable but no gradient yet this window
+                ref = self.params.ref(p)
+                if p.requires_grad and ref.index not in self.with_grad:
+                    view[ref.slot.offset:ref.slot.end].zero_()
+            if not self.eager:   # the update waits for backward: clipping or overflow checks need the norm
+                v = view if view.dtype == torch.float32 else view.float()
+                self.sumsq[c] = torch.dot(v, v)
         self.store.release(("grad", c), "device", dirty=True)
         if self.eager:
             self.window_applied = True

@@ -157,6 +157,8 @@ class ModuleHooks:
                 "a new forward started after backward already applied an optimizer update that "
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
+        if self.store.streams is not None:
+            self.store.streams.capture()     # this forward's stream is the compute stream
         self.prefetcher.begin_iteration()
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = self.tracer.totals["wait"]

@@ -109,7 +109,8 @@ class ChunkedParams:
                 temps = {}
                 for name, p in own:
                     s = self.ref(p).slot
-                    temps[name] = nn.Parameter(torch.empty(s.shape), requires_grad=False)
+                    # On the CPU, whatever the default device: the recorded RNG state is the CPU generator's.
+                    temps[name] = nn.Parameter(torch.empty(s.shape, device="cpu"), requires_grad=False)
                     module._parameters[name] = temps[name]
                 try:
                     with torch.no_grad():
@@ -121,7 +122,7 @@ class ChunkedParams:
                     ref = self.ref(p)
                     c = ref.slot.chunk
                     if c not in staging:
-                        staging[c] = torch.zeros(self.layout.chunk_size, dtype=torch.float32)
+                        staging[c] = torch.zeros(self.layout.chunk_size, dtype=torch.float32, device="cpu")
                     staging[c][ref.slot.offset:ref.slot.end].copy_(temps[name].reshape(-1))
                     done.add(id(p))
                     remaining[c] -= 1
@@ -150,7 +151,7 @@ class ChunkedParams:
         re-pins it. They go (``detach``) when the store frees that device buffer.
         """
         if self.pins[c] == 0:
-            hit = self.store.records[("param", c)].has(self.tier)
+            hit = self.store.landed(("param", c), self.tier)
             if self.tracer is not None:
                 with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
                     view = self.store.access(("param", c), self.tier)
@@ -238,5 +239,5 @@ class ChunkedParams:
     def _read_or_zeros(self, key, buf: torch.Tensor) -> torch.Tensor:
         rec = self.store.records[key]
         if rec.state is ChunkState.FREE:
-            return torch.zeros(rec.numel, dtype=rec.dtype)
+            return torch.zeros(rec.numel, dtype=rec.dtype, device="cpu")
         return self.store.read_into(key, buf)

@@ -1,6 +1,6 @@
 """Copies between tiers, as handles: a move completes (``wait``) before its source may be released.
 
-Memory-to-memory copies run on a side CUDA stream with an event when a GPU is involved, and
+Memory-to-memory copies run on CUDA copy streams (``streams.py``) when a GPU is involved, and
 synchronously on the CPU otherwise; NVMe moves wrap the AIO handles.
 """
 
@@ -78,32 +78,20 @@ class Move:
         self.finish()
 
 
-_side_streams: dict[int, "torch.cuda.Stream"] = {}
+def copy_between(dst: torch.Tensor, src: torch.Tensor, src_name: str, dst_name: str, *,
+                 streams=None, upload: bool = False, after=(), name: str = ""):
+    """Copy ``src`` into ``dst`` (same byte size).
 
-
-def _side_stream(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
-def copy_between(dst: torch.Tensor, src: torch.Tensor, src_name: str, dst_name: str) -> Move:
-    """Start copying ``src`` into ``dst`` (same byte size); returns the ``Move``."""
-    cuda = dst.device.type == "cuda" or src.device.type == "cuda"
-    if not cuda:
+    Without ``streams``: a synchronous copy, returns its (already finished) ``Move``. With
+    ``streams`` (``offload.tiers.streams``): the copy starts on the stream of its direction once
+    ``after`` have happened, and ``(move, fence)`` is returned. An upload's move is finished for
+    the compute that needs it by making the compute stream wait (the host goes on); a download's
+    by the host waiting, as the host is what reads it.
+    """
+    nbytes = dst.numel() * dst.element_size()
+    if streams is None:
         dst.copy_(src)
-        return Move(src_name, dst_name, dst.numel() * dst.element_size(), None)
-    device = dst.device if dst.device.type == "cuda" else src.device
-    stream = _side_stream(device)
-    # The side stream must not read src (or overwrite dst) before work already queued on it is done.
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    # Keep both tensors alive for the caching allocator until the copy has run.
-    for t in (dst, src):
-        if t.device.type == "cuda":
-            t.record_stream(stream)
-    return Move(src_name, dst_name, dst.numel() * dst.element_size(), event.synchronize)
+        return Move(src_name, dst_name, nbytes, None)
+    fence = streams.copy(dst, src, after, upload=upload, name=name)
+    wait = (lambda: streams.compute_wait(fence)) if upload else fence.synchronize
+    return Move(src_name, dst_name, nbytes, wait, poll=fence.query), fence
