@@ -18,12 +18,20 @@ import torch
 
 
 class PreBackward(torch.autograd.Function):
-    """Identity on the way forward; on the way back, calls ``hook`` before the module's backward."""
+    """Identity on the way forward; on the way back, calls ``hook`` before the module's backward.
+
+    The outputs are aliases of the inputs (same storage and version counter), not autograd views:
+    users modify model outputs in place (``loss *= scale`` in ``transformers.Trainer``,
+    ``logits.div_(temperature)``), which autograd forbids on views made inside a custom Function.
+    Gradients are not materialized: an output nobody backpropagates through (``logits`` when only
+    ``loss`` is) passes None, not a ``[batch, seq, vocab]`` tensor of zeros.
+    """
 
     @staticmethod
     def forward(ctx, hook, *tensors):
         ctx.hook = hook
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):

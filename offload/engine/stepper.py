@@ -74,16 +74,18 @@ class LossScaler:
 
 
 class ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the incoming gradient by the loss scale on the way back."""
+    """Identity forward (an alias, so users may modify the output in place, as with
+    ``PreBackward``); multiplies the incoming gradient by the loss scale on the way back."""
 
     @staticmethod
     def forward(ctx, scaler, t):
         ctx.scaler = scaler
-        return t.view_as(t)
+        ctx.set_materialize_grads(False)
+        return t.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        return None, grad * ctx.scaler.scale
+        return None, (grad * ctx.scaler.scale if grad is not None else None)
 
 
 class ChunkAdam:
