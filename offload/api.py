@@ -147,7 +147,7 @@ class AdamW(CPUAdamW):
                                "pass max_grad_norm=... to offload.AdamW(...) instead")
         self.clip_this_step = float(max_norm)
         norms = [e.grad_norm() for e in self._engines]
-        return torch.tensor(sum(n * n for n in norms) ** 0.5)
+        return torch.tensor(sum(n * n for n in norms) ** 0.5, device="cpu")
 
     # ---- state dicts interchangeable with torch.optim.AdamW ----------------------------------
     def _indexed(self):
@@ -165,7 +165,7 @@ class AdamW(CPUAdamW):
             stepped = [entry for entry in stepped if entry[2] > 0]
             moments = {kind: e.params.gather_all(kind, [p for _, p, _ in stepped]) for kind in MOMENTS}
             for i, p, steps in stepped:
-                sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype()),
+                sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype(), device="cpu"),
                                   **{kind: moments[kind][id(p)] for kind in MOMENTS}}
         return sd
 

@@ -88,7 +88,7 @@ def _checksum(algorithm: str, data: torch.Tensor) -> int:
 
 
 def _checksum_bytes(algorithm: str, data: bytes) -> int:
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8, device="cpu")
     return _checksum(algorithm, t)
 
 
@@ -350,7 +350,7 @@ def _torch_load_checked(ckpt: Path, entry: dict, algorithm: str):
                                                      f"(expected {entry[algorithm]:#010x}, got {got:#010x})")
     import io
 
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -635,7 +635,7 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
             else:
                 items.append((kind, c, entry))
     biggest = max((info["chunk_bytes"] for info in manifest["kinds"].values()), default=0)
-    bufs = [torch.zeros(biggest, dtype=torch.uint8) for _ in range(2)]
+    bufs = [torch.zeros(biggest, dtype=torch.uint8, device="cpu") for _ in range(2)]
     files = {}
 
     def fetch(i):

@@ -82,16 +82,20 @@ def _torch_facts(findings: list, pinned_bytes: int) -> tuple[dict, dict]:
         props = torch.cuda.get_device_properties(0)
         cuda.update(available=True, device=props.name, memory_bytes=int(props.total_memory),
                     pinned_probe_bytes=pinned_bytes)
+        # The engine's own path: mmap'd, huge-page-advised memory registered with
+        # cudaHostRegister (not cudaHostAlloc, which pin_memory=True would probe).
+        from .aio import aligned_empty
+        from .errors import PinnedMemoryError
+
         try:
-            buf = torch.empty(pinned_bytes, dtype=torch.uint8, pin_memory=True)
-            del buf
+            aligned_empty(pinned_bytes, torch.uint8, pin=True)     # pinned, then unpinned and freed
             cuda["pinned_ok"] = True
             _say(findings, "ok", "cuda", f"CUDA device {props.name} with {_gib(props.total_memory)}; "
-                 f"a {_gib(pinned_bytes)} pinned buffer was allocated")
-        except RuntimeError as exc:
+                 f"{_gib(pinned_bytes)} of host memory was pinned with cudaHostRegister, as the CPU tier is")
+        except PinnedMemoryError as exc:
             cuda["pinned_ok"] = False
-            _say(findings, "error", "cuda", f"could not pin {_gib(pinned_bytes)} of host memory ({exc}); "
-                 "raise `ulimit -l` or lower cpu_budget")
+            _say(findings, "error", "cuda", f"could not pin {_gib(pinned_bytes)} of host memory the way "
+                 f"the CPU tier does ({exc}); lower cpu_budget or free host memory")
     else:
         _say(findings, "warn", "cuda", "no CUDA device: the engine computes on the CPU "
              "(device='cpu'); fine for tests and small models, slow for real training")
@@ -143,9 +147,12 @@ def _memory_facts(findings: list, cuda: bool) -> dict:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     memlock = None if soft == resource.RLIM_INFINITY else int(soft)
     _say(findings, "ok", "memory", f"RAM {_gib(vm.total)} total, {_gib(vm.available)} available")
-    if memlock is not None and memlock < vm.total // 2 and cuda:
-        _say(findings, "warn", "memlock", f"`ulimit -l` is {_gib(memlock)}: pinned CPU buffers beyond that "
-             "are refused; raise it (e.g. `ulimit -l unlimited`) to pin the CPU tier for fast GPU copies")
+    if memlock is not None:
+        # Consistent with offload.aio.buffers.check_host_budget: CUDA registration is not charged
+        # to RLIMIT_MEMLOCK, only mlock is (used to pin without CUDA, e.g. BufferPool(pin=True)).
+        where = ("does not limit the CPU tier, which CUDA's cudaHostRegister pins" if cuda else
+                 "limits mlock'd buffers only; a CPU-only run pins nothing by default")
+        _say(findings, "ok", "memlock", f"`ulimit -l` is {_gib(memlock)}: it {where}")
     return {"total_bytes": int(vm.total), "available_bytes": int(vm.available), "memlock_bytes": memlock}
 
 

@@ -136,7 +136,7 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
         if args.gpu_tflops is not None:
             tflops, src["compute_tflops"] = args.gpu_tflops, "given"
         elif cuda is not None:
-            tflops, src["compute_tflops"] = _gpu_tflops(cuda), "measured (bf16 matmul)"
+            tflops, src["compute_tflops"] = _gpu_tflops(cuda, args.dtype), f"measured ({args.dtype} matmul)"
         else:
             raise _missing("--gpu-tflops", "with --gpu-mem when there is no GPU here to probe")
     elif args.gpu_tflops is not None:
@@ -311,20 +311,26 @@ def _median_time(fn, min_s: float = 1.5, min_calls: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def _gpu_tflops(cuda) -> float:
+def _gpu_tflops(cuda, dtype: str) -> float:
+    """The GPU's matmul rate in the run's compute dtype (fp32 runs at TF32 or full fp32 speed, as
+    ``torch.backends.cuda.matmul.allow_tf32`` says: a 10x difference on Hopper)."""
     import torch
 
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device="cuda", dtype=tdtype)
+    b = torch.randn(n, n, device="cuda", dtype=tdtype)
     return 2 * n**3 / _timed(lambda: torch.mm(a, b), sync=cuda.synchronize) / 1e12
 
 
 def _pcie_gbps(cuda) -> float:
-    """min(H2D, D2H) of a 256 MiB pinned copy, GB/s."""
+    """min(H2D, D2H) of a 256 MiB copy, GB/s, from host memory pinned the way the engine pins its
+    CPU tier (mmap + cudaHostRegister)."""
     import torch
 
-    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    from .aio import aligned_empty
+
+    host = aligned_empty(256 << 20, torch.uint8, pin=True, populate=True)
     dev = torch.empty_like(host, device="cuda")
     h2d = _timed(lambda: dev.copy_(host, non_blocking=True), sync=cuda.synchronize)
     d2h = _timed(lambda: host.copy_(dev, non_blocking=True), sync=cuda.synchronize)

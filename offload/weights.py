@@ -64,7 +64,7 @@ class _Entry:
 
     def __init__(self, name, shape, dtype, slot=None, buffer=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
-        self.nbytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
         self.slot, self.buffer = slot, buffer
 
 
@@ -344,7 +344,7 @@ def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
     if "master" not in staging:
         staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
         if params.has_master:
-            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype)
+            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype, device="cpu")
     covered = {id(p) for p, _, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
         master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)

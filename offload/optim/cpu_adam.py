@@ -133,7 +133,7 @@ class _CPUAdamBase(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             step_t = state["step"]
