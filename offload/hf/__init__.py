@@ -1,0 +1,6 @@
+"""Hugging Face checkpoints in and out: a local model directory in (``load_pretrained``), an HF
+directory out (``export_pretrained``), LoRA adapters through peft (``offload.hf.lora``)."""
+
+from .load import load_pretrained, read_checkpoint
+
+__all__ = ["load_pretrained", "read_checkpoint"]

@@ -1,0 +1,303 @@
+"""A local Hugging Face model directory in: built on the meta device, its shards streamed into chunks.
+
+``load_pretrained(directory, config)`` never holds the model whole in memory. transformers builds
+the architecture from ``config.json`` (``AutoModelForCausalLM.from_config``) under
+``offload.lazy_init(initialize=False)``: every parameter is a meta tensor. Buffers are made real
+and computed the way transformers' own loader does (``_init_weights`` fills rotary ``inv_freq``),
+because they are not in the checkpoint. Every tensor of the checkpoint is matched against the
+model (names, shapes) before anything is allocated; then the model is wrapped (its chunks stay
+empty) and each tensor is read from its shard, one at a time, into its chunk — each chunk written
+once when all of its tensors are in. Peak memory is therefore the tiers' budgets, one tensor (read
+through a fresh ``safe_open`` that is closed straight after, so no shard stays mapped) and a
+couple of staging chunks.
+
+Every problem with the directory is an ``OffloadError`` with one line naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import OffloadConfig
+from ..errors import ConfigError, OffloadError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _require(module: str, extra: str):
+    try:
+        return __import__(module)
+    except ImportError as exc:
+        raise OffloadError(f"--model needs the '{module}' package: pip install 'offload[{extra}]'") from exc
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a model directory holds, read from its headers only (no tensor data)."""
+
+    directory: Path
+    hf_config: object                  # transformers.PretrainedConfig
+    tensors: dict[str, TensorInfo]     # checkpoint tensor name -> where and what shape
+    has_tokenizer: bool
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((4 * _numel(t.shape) for t in self.tensors.values()), default=0)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
+    """Read ``config.json`` and every shard's header; one-line errors name the file (and tensor)."""
+    _require("transformers", "hf")
+    _require("safetensors", "hf")
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise ConfigError("--model", str(directory), "is not a directory")
+    if not (root / "config.json").is_file():
+        raise ConfigError("--model", str(directory), "has no config.json (expected a Hugging Face model directory)")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:
+        raise OffloadError(f"{root / 'config.json'}: transformers cannot read this config ({_one_line(exc)})") from exc
+    if (root / INDEX).is_file():
+        try:
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise OffloadError(f"{root / INDEX}: not a safetensors index ({_one_line(exc)})") from exc
+        files = sorted(set(weight_map.values()))
+        for name, fname in weight_map.items():
+            if not (root / fname).is_file():
+                raise OffloadError(f"{root / INDEX}: tensor {name!r} is in {fname}, which does not exist")
+    elif (root / SINGLE).is_file():
+        weight_map, files = None, [SINGLE]
+    else:
+        found = sorted(p.name for p in root.glob("*.safetensors"))
+        if not found:
+            others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+            hint = f" (found {', '.join(others[:3])}: only safetensors weights are read)" if others else ""
+            raise OffloadError(f"{root}: no {SINGLE}, {INDEX} or *.safetensors files{hint}")
+        weight_map, files = None, found
+    tensors: dict[str, TensorInfo] = {}
+    for fname in files:
+        path = root / fname
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = TensorInfo(path, tuple(f.get_slice(name).get_shape()))
+        except Exception as exc:
+            raise OffloadError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
+    if weight_map is not None:
+        for name, fname in weight_map.items():
+            if name not in tensors or tensors[name].file.name != fname:
+                raise OffloadError(f"{root / fname}: tensor {name!r} is listed in {INDEX} but not in this file")
+    tokenizer = any((root / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                   "tokenizer_config.json"))
+    return Checkpoint(root, hf_config, tensors, tokenizer)
+
+
+def build_meta_model(ckpt: Checkpoint, config: OffloadConfig | None = None) -> nn.Module:
+    """The architecture of ``ckpt`` with parameters on the meta device and real, computed buffers."""
+    from transformers import AutoModelForCausalLM
+
+    from ..lazy import lazy_init
+
+    try:
+        with lazy_init(config, initialize=False):
+            model = AutoModelForCausalLM.from_config(ckpt.hf_config, dtype=torch.float32)
+    except Exception as exc:
+        raise OffloadError(f"{ckpt.directory / 'config.json'}: transformers cannot build a causal LM from it "
+                           f"({_one_line(exc)})") from exc
+    _materialize_buffers(model, ckpt)
+    return model
+
+
+def _materialize_buffers(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Give meta buffers real storage, computed as transformers' loader computes them.
+
+    Buffers that the checkpoint holds are loaded later; the others (rotary ``inv_freq`` and the
+    like) are filled by the owning model's ``_init_weights``, exactly as ``from_pretrained`` does.
+    They start as NaN so that one nobody computes is caught here, not as garbage in training.
+    """
+    owners = _pretrained_owners(model)
+    names = {id(b): n for n, b in model.named_buffers()}
+    for module in model.modules():
+        meta = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
+            continue
+        for n, b in meta:
+            module._buffers[n] = (torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point()
+                                  else torch.zeros(b.shape, dtype=b.dtype))
+        owner = owners.get(id(module), model)
+        with torch.no_grad():
+            owner._init_weights(module)
+        for n, b in meta:
+            full = names.get(id(b), n)
+            if module._buffers[n].is_floating_point() and torch.isnan(module._buffers[n]).any() \
+                    and full not in ckpt.tensors:
+                raise OffloadError(f"{ckpt.directory / 'config.json'}: buffer {full!r} of "
+                                   f"{type(model).__name__} is neither in the checkpoint nor computed by "
+                                   "transformers' _init_weights; this architecture cannot be loaded lazily")
+
+
+def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """``{id(module): the innermost PreTrainedModel containing it}`` (composite models init per part)."""
+    from transformers import PreTrainedModel
+
+    out: dict[int, nn.Module] = {}
+
+    def walk(module, owner):
+        if isinstance(module, PreTrainedModel):
+            owner = module
+        out[id(module)] = owner
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, model)
+    return out
+
+
+def _ignored_unexpected(model: nn.Module, name: str) -> bool:
+    import re
+
+    if name in dict(model.named_buffers()):
+        return True       # e.g. rotary inv_freq saved by old checkpoints: recomputed, not read
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return any(re.search(p, name) for p in patterns)
+
+
+def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], str]:
+    """``{(id(module), attribute): checkpoint tensor name}`` for every parameter and persistent
+    buffer, checked against the checkpoint; raises on a missing, extra or mis-shaped tensor.
+
+    Keyed by module and attribute, not by parameter object: wrapping replaces meta parameters."""
+    where: dict[tuple[int, str], str] = {}
+    tied: dict[int, list[tuple[tuple[int, str], str]]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for mname, module in modules.items():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                full = f"{mname}.{attr}" if mname else attr
+                tied.setdefault(id(p), []).append(((id(module), attr), full))
+    index = str(ckpt.directory / INDEX) if (ckpt.directory / INDEX).is_file() else str(ckpt.directory)
+    for pid, names in tied.items():
+        present = [full for _, full in names if full in ckpt.tensors]
+        if not present:
+            raise OffloadError(f"{index}: tensor {names[0][1]!r} is missing (the model built from "
+                               f"config.json has it{' tied to ' + ', '.join(n for _, n in names[1:]) if len(names) > 1 else ''})")
+        for key, _ in names:
+            where[key] = present[0]
+    persistent = _persistent_buffers(model)
+    for full, (module, attr) in persistent.items():
+        if full in ckpt.tensors:
+            where[(id(module), attr)] = full
+    shapes = {}
+    for mname, module in modules.items():
+        for attr, p in list(module._parameters.items()) + list(module._buffers.items()):
+            if p is not None and (id(module), attr) in where:
+                shapes[where[(id(module), attr)]] = tuple(p.shape)
+    for name, want in shapes.items():
+        got = ckpt.tensors[name].shape
+        if got != want:
+            raise OffloadError(f"{ckpt.tensors[name].file}: tensor {name!r} has shape {list(got)}, "
+                               f"the model built from config.json expects {list(want)}")
+    used = set(where.values())
+    for name, info in ckpt.tensors.items():
+        if name not in used and not _ignored_unexpected(model, name):
+            raise OffloadError(f"{info.file}: tensor {name!r} is not a parameter of the "
+                               f"{type(model).__name__} built from config.json")
+    return where
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    out = {}
+    for mname, module in model.named_modules():
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                out[f"{mname}.{attr}" if mname else attr] = (module, attr)
+    return out
+
+
+def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None = None, *,
+                    adapt=None) -> nn.Module:
+    """Build, wrap and fill a model from a local HF directory; returns the wrapped model.
+
+    ``adapt(model) -> model``: applied to the meta model before wrapping (``offload.hf.lora``
+    adds LoRA adapters there, so the engine lays out their parameters with the others).
+    """
+    from ..api import wrap
+
+    ckpt = read_checkpoint(directory)
+    model = build_meta_model(ckpt, config)
+    where = match_tensors(model, ckpt)
+    modules = {id(m): m for m in model.modules()}
+    if adapt is not None:
+        model = adapt(model)
+    wrapped = wrap(model, config)
+    stream_into(wrapped, ckpt, {(modules[mid], attr): name for (mid, attr), name in where.items()})
+    wrapped.hf_checkpoint = ckpt
+    wrapped.eval()                 # as from_pretrained returns it; train() before training
+    return wrapped
+
+
+def stream_into(model: nn.Module, ckpt: Checkpoint, where: dict[tuple[nn.Module, str], str]) -> None:
+    """Write each checkpoint tensor into its chunk (or buffer), one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    from ..weights import _load_chunk
+
+    engine = model.offload_engine
+    engine.adam.drain()
+
+    def tensor(file: Path, name: str) -> torch.Tensor:
+        # A fresh handle per tensor: closing it unmaps the shard, so only this tensor's pages count.
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as exc:
+            raise OffloadError(f"{file}: tensor {name!r} cannot be read ({_one_line(exc)})") from exc
+
+    chunked: dict[int, list] = {}
+    seen: set[int] = set()
+    with torch.no_grad():
+        for (module, attr), name in where.items():
+            info = ckpt.tensors[name]
+            if attr in module._buffers:
+                module._buffers[attr].copy_(tensor(info.file, name))
+                continue
+            p = module._parameters[attr]
+            if id(p) in seen:
+                continue                     # tied: one tensor fills it
+            seen.add(id(p))
+            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, info.file))
+        staging: dict[str, torch.Tensor] = {}
+        for c in sorted(chunked):
+            _load_chunk(engine, c, chunked[c], tensor, staging)
