@@ -110,6 +110,9 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path
     named = adapter_parameters(model)
     values = engine.params.gather_all(params=[p for _, p in named])
     state = {n: values[id(p)] for n, p in named}
+    if source is not None:
+        for cfg in model.peft_config.values():
+            cfg.base_model_name_or_path = str(Path(source).resolve())
     with StagedDirectory(directory, marker="adapter_config.json") as tmp:
         model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
         for f in support_files(source):
