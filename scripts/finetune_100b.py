@@ -85,9 +85,9 @@ def check_args(args) -> None:
     if not args.model:
         args.preset = args.preset or "tiny"
         for flag, value in (("--lora-rank", args.lora_rank), ("--output", args.output)):
-            if value:
+            if value is not None:
                 raise ConfigError(flag, value, "needs --model DIR (a Hugging Face model directory)")
-    if args.merge and not args.lora_rank:
+    if args.merge and args.lora_rank is None:
         raise ConfigError("--merge", True, "needs --lora-rank (it merges the trained adapter into the base)")
     if args.save_every < 0 or (args.save_every and not args.output):
         raise ConfigError("--save-every", args.save_every, "needs --output and a number >= 0")
@@ -102,7 +102,7 @@ def check_args(args) -> None:
 
 
 def lora_settings(args):
-    if not args.lora_rank:
+    if args.lora_rank is None:
         return None
     from offload.hf.lora import LoraSettings
 
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     config = offload.OffloadConfig(
         dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
         nvme_paths=args.nvme_path or None)
-    trainable = f" ({described.trainable / 1e6:,.3f} M trainable)" if described and args.lora_rank else ""
+    trainable = f" ({described.trainable / 1e6:,.3f} M trainable)" if described and args.lora_rank is not None else ""
     print(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {args.dtype}, "
           f"{batch} x {seq} tokens per step, {args.steps} steps", file=sys.stderr)
 

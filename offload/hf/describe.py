@@ -73,9 +73,9 @@ def describe(directory: str | os.PathLike, lora=None) -> ModelDescription:
         raise OffloadError(f"{root / 'config.json'}: transformers cannot build a causal LM from it "
                            f"({type(exc).__name__}: {first})") from exc
     if lora is not None:
-        from .lora import _peft
+        from .lora import peft_model
 
-        model = _peft().get_peft_model(model, lora.peft_config())
+        model = peft_model(model, lora)
     params = [(p.numel(), p.requires_grad) for _, p in model.named_parameters()]
     try:
         shape = llama_shape(hf_config)

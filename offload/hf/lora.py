@@ -65,17 +65,22 @@ class LoraSettings:
                                lora_dropout=self.dropout, task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """``peft.get_peft_model`` on a meta-built model, with the adapters given real initial values."""
+def peft_model(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """``peft.get_peft_model``; what peft refuses (targets not found, ...) is a one-line ConfigError."""
     peft = _peft()
-    from peft.tuners.lora import LoraLayer
-
     try:
-        peft_model = peft.get_peft_model(model, settings.peft_config())
-    except ValueError as exc:        # e.g. target modules not found
+        return peft.get_peft_model(model, settings.peft_config())
+    except Exception as exc:         # NoMatchingPeftModuleError, ValueError for unsupported layers, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError("--lora-targets", ",".join(settings.targets or ()) or "(peft default)", first) from exc
-    for module in peft_model.modules():
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """``peft.get_peft_model`` on a meta-built model, with the adapters given real initial values."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model_ = peft_model(model, settings)
+    for module in peft_model_.modules():
         if not isinstance(module, LoraLayer):
             continue
         for attr in module.adapter_layer_names:
@@ -84,8 +89,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
                 holder.to_empty(device="cpu")
         for adapter in module.active_adapters:
             with torch.no_grad():
-                module.reset_lora_parameters(adapter, peft_model.peft_config[adapter].init_lora_weights)
-    return peft_model
+                module.reset_lora_parameters(adapter, peft_model_.peft_config[adapter].init_lora_weights)
+    return peft_model_
 
 
 def is_peft(model: nn.Module) -> bool:
