@@ -12,17 +12,15 @@ VOCAB = 256          # the byte tokenizer's vocabulary: the script's default dat
 def tiny_config(arch: str, **kw):
     import transformers
 
+    llama_like = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
     if arch == "llama":
-        return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        use_cache=False, **kw)
+        return transformers.LlamaConfig(**{**llama_like, **kw})
     if arch == "qwen2":
-        return transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        use_cache=False, **kw)
+        return transformers.Qwen2Config(**{**llama_like, **kw})
     if arch == "gpt2":
-        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                                       bos_token_id=0, eos_token_id=0, use_cache=False, **kw)
+        return transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                                 bos_token_id=0, eos_token_id=0, use_cache=False), **kw})
     raise ValueError(arch)
 
 

@@ -268,36 +268,81 @@ def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None =
     return wrapped
 
 
-def stream_into(model: nn.Module, ckpt: Checkpoint, where: dict[tuple[nn.Module, str], str]) -> None:
-    """Write each checkpoint tensor into its chunk (or buffer), one tensor in memory at a time."""
+BLOCK_BYTES = 8 << 20
+"""Rows of a tensor are read in blocks of about this size, each through its own ``safe_open``: a
+shard's pages stay mapped (and count in RSS) only while their block is copied."""
+
+
+def _read_rows(file: Path, name: str, start: int, stop: int | None = None) -> torch.Tensor:
     from safetensors import safe_open
 
-    from ..weights import _load_chunk
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            sl = f.get_slice(name)
+            if not sl.get_shape():
+                return f.get_tensor(name)
+            return sl[start:stop]
+    except Exception as exc:
+        raise OffloadError(f"{file}: tensor {name!r} cannot be read ({_one_line(exc)})") from exc
 
+
+def copy_tensor(dst: torch.Tensor, file: Path, name: str, shape: tuple[int, ...]) -> None:
+    """Copy checkpoint tensor ``name`` into the flat ``dst`` (converting its dtype), block by block."""
+    if not shape:
+        dst.copy_(_read_rows(file, name, 0).reshape(-1))
+        return
+    row = _numel(shape[1:])
+    per = max(1, BLOCK_BYTES // max(4 * row, 1))          # 4 B: fp32, the widest usual dtype
+    for r0 in range(0, shape[0], per):
+        r1 = min(shape[0], r0 + per)
+        dst[r0 * row:r1 * row].copy_(_read_rows(file, name, r0, r1).reshape(-1))
+
+
+def stream_into(model: nn.Module, ckpt: Checkpoint, where: dict[tuple[nn.Module, str], str]) -> None:
+    """Write each checkpoint tensor into its chunk (or buffer); only a block of it is in memory at once."""
     engine = model.offload_engine
     engine.adam.drain()
-
-    def tensor(file: Path, name: str) -> torch.Tensor:
-        # A fresh handle per tensor: closing it unmaps the shard, so only this tensor's pages count.
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(name)
-        except Exception as exc:
-            raise OffloadError(f"{file}: tensor {name!r} cannot be read ({_one_line(exc)})") from exc
-
     chunked: dict[int, list] = {}
     seen: set[int] = set()
     with torch.no_grad():
         for (module, attr), name in where.items():
             info = ckpt.tensors[name]
             if attr in module._buffers:
-                module._buffers[attr].copy_(tensor(info.file, name))
+                copy_tensor(module._buffers[attr].view(-1), info.file, name, info.shape)
                 continue
             p = module._parameters[attr]
             if id(p) in seen:
                 continue                     # tied: one tensor fills it
             seen.add(id(p))
-            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, info.file))
+            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, info))
         staging: dict[str, torch.Tensor] = {}
         for c in sorted(chunked):
-            _load_chunk(engine, c, chunked[c], tensor, staging)
+            _fill_chunk(engine, c, chunked[c], staging)
+
+
+def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
+    """Chunk ``c``'s fp32 values from its tensors, then its param (+ master) chunk written once.
+
+    ``staging`` holds the buffers reused from chunk to chunk (fresh ones per chunk leave the heap
+    fragmented and RSS growing). A chunk that also holds values from elsewhere (LoRA adapters
+    copied in by ``wrap``) is read first; padding stays zero."""
+    params, store = engine.params, engine.store
+    master_kind = "master" if params.has_master else "param"
+    if "master" not in staging:
+        staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
+        if params.has_master:
+            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype, device="cpu")
+    covered = {id(p) for p, _, _ in members}
+    if all(id(p) in covered for p in params.chunk_members[c]):
+        master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)
+        master.zero_()
+    else:
+        master = store.read_into((master_kind, c), staging["master"])
+    for p, name, info in members:
+        slot = params.ref(p).slot
+        copy_tensor(master[slot.offset:slot.end], info.file, name, info.shape)
+    if params.has_master:
+        store.write(("master", c), master)
+        store.write(("param", c), staging["param"].copy_(master))
+    else:
+        store.write(("param", c), master)

@@ -212,3 +212,38 @@ def test_config_transformers_cannot_build(disk_tmp):
     (src / "config.json").unlink()
     with pytest.raises(offload.ConfigError, match="has no config.json"):
         load_pretrained(src, config(disk_tmp / "nvme"))
+
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return [int(line.split()[1]) * 1024 for line in f if line.startswith(key)][0]
+
+
+@pytest.mark.slow
+def test_loading_streams_within_budgets(disk_tmp):
+    """Peak RSS while loading <= budgets + the largest tensor + a fixed overhead (the staging chunk,
+    read blocks, allocator slack), for a checkpoint ~3x the budgets. Measured in this process:
+    /proc/self/clear_refs restarts the peak (VmHWM) at the current RSS."""
+    from offload.hf.load import build_meta_model, read_checkpoint
+
+    src = save_tiny(disk_tmp / "src", "llama", shard="8MB", hidden_size=256, intermediate_size=704,
+                    num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    largest = 256 * 704 * 4                                  # an MLP projection, fp32
+    build_meta_model(read_checkpoint(src))                   # transformers' modeling imports, not the load
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs to reset the peak RSS")
+    base = _status("VmRSS")
+    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="6MiB", cpu_budget="6MiB",
+                                nvme_paths=[str(disk_tmp / "nvme")])
+    model = load_pretrained(src, cfg)
+    growth = _status("VmHWM") - base
+    budgets = 12 << 20
+    assert size >= 2.5 * budgets
+    assert growth <= budgets + largest + (12 << 20), (growth, size)
+    assert torch.equal(logits(model), logits(hf_load(src)))
+    model.offload_engine.close()
