@@ -59,7 +59,7 @@ def load(args) -> None:
     engine = model.offload_engine
     budgets = engine.store.tiers["cpu"].budget + (engine.store.tiers["device"].budget
                                                   if "device" in engine.store.tiers else 0)
-    largest = max(4 * n for n in (int(__import__("math").prod(t.shape)) for t in ckpt.tensors.values()))
+    largest = ckpt.largest_tensor_bytes
     files = sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
     engine.close()
     print(json.dumps({"checkpoint_bytes": files, "base_rss": base, "peak_growth": peak - base,

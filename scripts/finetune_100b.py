@@ -117,7 +117,7 @@ def build_model(args, config):
     if args.model:
         from offload.hf import load_pretrained
         from offload.hf.lora import apply_lora
-        from offload.hf.output import enable_checkpointing
+        from offload.hf.load import enable_checkpointing
 
         lora = lora_settings(args)
 

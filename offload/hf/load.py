@@ -185,10 +185,10 @@ def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
-def _ignored_unexpected(model: nn.Module, name: str) -> bool:
+def _ignored_unexpected(model: nn.Module, buffers: set[str], name: str) -> bool:
     import re
 
-    if name in dict(model.named_buffers()):
+    if name in buffers:
         return True       # e.g. rotary inv_freq saved by old checkpoints: recomputed, not read
     patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     return any(re.search(p, name) for p in patterns)
@@ -230,8 +230,9 @@ def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], s
             raise OffloadError(f"{ckpt.tensors[name].file}: tensor {name!r} has shape {list(got)}, "
                                f"the model built from config.json expects {list(want)}")
     used = set(where.values())
+    buffers = {n for n, _ in model.named_buffers()}
     for name, info in ckpt.tensors.items():
-        if name not in used and not _ignored_unexpected(model, name):
+        if name not in used and not _ignored_unexpected(model, buffers, name):
             raise OffloadError(f"{info.file}: tensor {name!r} is not a parameter of the "
                                f"{type(model).__name__} built from config.json")
     return where
@@ -244,6 +245,15 @@ def _persistent_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
             if b is not None and attr not in module._non_persistent_buffers_set:
                 out[f"{mname}.{attr}" if mname else attr] = (module, attr)
     return out
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing of an HF model, non-reentrant (offload's hooks need autograd to see
+    the recomputed forward; transformers 5 renamed the method, 4.x has only the old name)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None = None, *,

@@ -10,15 +10,6 @@ from .export import export_pretrained
 from .lora import is_peft, merged_export, save_adapter
 
 
-def enable_checkpointing(model) -> None:
-    """Activation checkpointing of an HF model, non-reentrant (offload's hooks need autograd to see
-    the recomputed forward; transformers 5 renamed the method, 4.x has only the old name)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def write_output(model, directory: str | os.PathLike, *, merge: bool = False, max_shard_size="5GB") -> Path:
     """Full fine-tune: an HF model directory. LoRA: the adapter in peft's format, or with ``merge``
     the base model with the adapter folded in, as an HF model directory."""

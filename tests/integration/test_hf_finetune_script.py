@@ -69,7 +69,7 @@ def logits(model):
 
 def test_full_finetune_writes_the_trained_model(disk_tmp):
     src = save_tiny(disk_tmp / "src", "llama")
-    losses = run(disk_tmp, src, "--output", str(disk_tmp / "out"), "--max-shard-size", "20KB")
+    losses = run(disk_tmp, src, "--output", str(disk_tmp / "out"), "--max-shard-size", "20KB", "--save-every", "2")
     assert losses[-1] < losses[0]
     assert len(list((disk_tmp / "out").glob("model-*.safetensors"))) > 1
     model, manifest = restored(disk_tmp, src)
