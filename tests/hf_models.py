@@ -18,6 +18,15 @@ def tiny_config(arch: str, **kw):
         return transformers.LlamaConfig(**{**llama_like, **kw})
     if arch == "qwen2":
         return transformers.Qwen2Config(**{**llama_like, **kw})
+    if arch == "mixtral":           # transformers 5 stores experts per expert, fuses them in the model
+        return transformers.MixtralConfig(**{**llama_like, "num_local_experts": 4, "num_experts_per_tok": 2, **kw})
+    if arch == "gpt_neox":          # its checkpoints name lm_head "embed_out"
+        return transformers.GPTNeoXConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=4, use_cache=False), **kw})
+    if arch == "opt":
+        return transformers.OPTConfig(**{**dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, word_embed_proj_dim=32,
+                                                max_position_embeddings=128, use_cache=False), **kw})
     if arch == "gpt2":
         return transformers.GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                                                  bos_token_id=0, eos_token_id=0, use_cache=False), **kw})

@@ -194,12 +194,16 @@ def _ignored_unexpected(model: nn.Module, buffers: set[str], name: str) -> bool:
     return any(re.search(p, name) for p in patterns)
 
 
-def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], str]:
-    """``{(id(module), attribute): checkpoint tensor name}`` for every parameter and persistent
-    buffer, checked against the checkpoint; raises on a missing, extra or mis-shaped tensor.
+def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], object]:
+    """``{(id(module), attribute): source}`` (``offload.hf.sources``: a checkpoint tensor, or several
+    converted the way transformers converts them) for every parameter and persistent buffer,
+    checked against the checkpoint; raises on a missing, extra or mis-shaped tensor.
 
     Keyed by module and attribute, not by parameter object: wrapping replaces meta parameters."""
-    where: dict[tuple[int, str], str] = {}
+    from .sources import resolve_sources
+
+    sources, unexpected = resolve_sources(model, ckpt.tensors)
+    where: dict[tuple[int, str], object] = {}
     tied: dict[int, list[tuple[tuple[int, str], str]]] = {}
     modules = dict(model.named_modules(remove_duplicate=False))
     for mname, module in modules.items():
@@ -209,31 +213,27 @@ def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], s
                 tied.setdefault(id(p), []).append(((id(module), attr), full))
     index = str(ckpt.directory / INDEX) if (ckpt.directory / INDEX).is_file() else str(ckpt.directory)
     for pid, names in tied.items():
-        present = [full for _, full in names if full in ckpt.tensors]
+        present = [full for _, full in names if full in sources]
         if not present:
+            also = f" tied to {', '.join(n for _, n in names[1:])}" if len(names) > 1 else ""
             raise OffloadError(f"{index}: tensor {names[0][1]!r} is missing (the model built from "
-                               f"config.json has it{' tied to ' + ', '.join(n for _, n in names[1:]) if len(names) > 1 else ''})")
+                               f"config.json has it{also})")
         for key, _ in names:
-            where[key] = present[0]
-    persistent = _persistent_buffers(model)
-    for full, (module, attr) in persistent.items():
-        if full in ckpt.tensors:
-            where[(id(module), attr)] = full
-    shapes = {}
+            where[key] = sources[present[0]]
+    for full, (module, attr) in _persistent_buffers(model).items():
+        if full in sources:
+            where[(id(module), attr)] = sources[full]
     for mname, module in modules.items():
         for attr, p in list(module._parameters.items()) + list(module._buffers.items()):
-            if p is not None and (id(module), attr) in where:
-                shapes[where[(id(module), attr)]] = tuple(p.shape)
-    for name, want in shapes.items():
-        got = ckpt.tensors[name].shape
-        if got != want:
-            raise OffloadError(f"{ckpt.tensors[name].file}: tensor {name!r} has shape {list(got)}, "
-                               f"the model built from config.json expects {list(want)}")
-    used = set(where.values())
+            source = where.get((id(module), attr))
+            if p is not None and source is not None and tuple(source.shape) != tuple(p.shape):
+                full = f"{mname}.{attr}" if mname else attr
+                raise OffloadError(f"{source.where()} has shape {list(source.shape)}, the model built from "
+                                   f"config.json expects {list(p.shape)} for {full!r}")
     buffers = {n for n, _ in model.named_buffers()}
-    for name, info in ckpt.tensors.items():
-        if name not in used and not _ignored_unexpected(model, buffers, name):
-            raise OffloadError(f"{info.file}: tensor {name!r} is not a parameter of the "
+    for name in unexpected:
+        if not _ignored_unexpected(model, buffers, name):
+            raise OffloadError(f"{ckpt.tensors[name].file}: tensor {name!r} is not a parameter of the "
                                f"{type(model).__name__} built from config.json")
     return where
 
@@ -272,7 +272,7 @@ def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None =
     if adapt is not None:
         model = adapt(model)
     wrapped = wrap(model, config)
-    stream_into(wrapped, ckpt, {(modules[mid], attr): name for (mid, attr), name in where.items()})
+    stream_into(wrapped, {(modules[mid], attr): source for (mid, attr), source in where.items()})
     wrapped.hf_checkpoint = ckpt
     wrapped.eval()                 # as from_pretrained returns it; train() before training
     return wrapped
@@ -308,23 +308,23 @@ def copy_tensor(dst: torch.Tensor, file: Path, name: str, shape: tuple[int, ...]
         dst[r0 * row:r1 * row].copy_(_read_rows(file, name, r0, r1).reshape(-1))
 
 
-def stream_into(model: nn.Module, ckpt: Checkpoint, where: dict[tuple[nn.Module, str], str]) -> None:
-    """Write each checkpoint tensor into its chunk (or buffer); only a block of it is in memory at once."""
+def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) -> None:
+    """Write each source into its chunk (or buffer); a plain checkpoint tensor is read a block at a
+    time, a converted one (fused experts) as its converter's group."""
     engine = model.offload_engine
     engine.adam.drain()
     chunked: dict[int, list] = {}
     seen: set[int] = set()
     with torch.no_grad():
-        for (module, attr), name in where.items():
-            info = ckpt.tensors[name]
+        for (module, attr), source in where.items():
             if attr in module._buffers:
-                copy_tensor(module._buffers[attr].view(-1), info.file, name, info.shape)
+                source.copy_into(module._buffers[attr].view(-1))
                 continue
             p = module._parameters[attr]
             if id(p) in seen:
                 continue                     # tied: one tensor fills it
             seen.add(id(p))
-            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, info))
+            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, source))
         staging: dict[str, torch.Tensor] = {}
         for c in sorted(chunked):
             _fill_chunk(engine, c, chunked[c], staging)
@@ -342,15 +342,15 @@ def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
         staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
         if params.has_master:
             staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype, device="cpu")
-    covered = {id(p) for p, _, _ in members}
+    covered = {id(p) for p, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
         master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)
         master.zero_()
     else:
         master = store.read_into((master_kind, c), staging["master"])
-    for p, name, info in members:
+    for p, source in members:
         slot = params.ref(p).slot
-        copy_tensor(master[slot.offset:slot.end], info.file, name, info.shape)
+        source.copy_into(master[slot.offset:slot.end])
     if params.has_master:
         store.write(("master", c), master)
         store.write(("param", c), staging["param"].copy_(master))

@@ -27,11 +27,11 @@ from offload.hf import export_pretrained, load_pretrained  # noqa: E402
 from offload.hf.output import write_output  # noqa: E402
 
 
-def config(nvme, dtype="fp32") -> offload.OffloadConfig:
+def config(nvme, dtype="fp32", chunk=8192) -> offload.OffloadConfig:
     # Budgets below the state (~35 K parameters, 16-18 B each) and chunks of 8 Ki elements (the
     # embedding's size): every tier is used, NVMe included.
-    return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="224KiB", cpu_budget="224KiB",
-                                 nvme_paths=[str(nvme)], chunk_size=8192)
+    return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget=28 * chunk, cpu_budget=28 * chunk,
+                                 nvme_paths=[str(nvme)], chunk_size=chunk)
 
 
 def train(model, steps=3, lr=1e-2):
@@ -73,6 +73,24 @@ def test_load_train_export_round_trip(disk_tmp, arch):
         assert torch.equal(value, mine[name]), name                    # bit-equal weights
     assert torch.equal(logits(back), logits(model))
     assert not torch.equal(logits(back), logits(ref))                 # it did train
+    model.offload_engine.close()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_neox", "opt"])
+def test_checkpoints_transformers_converts_on_load(disk_tmp, arch):
+    """Per-expert tensors fused into one parameter (Mixtral), renamed keys (GPT-NeoX's embed_out):
+    converted as from_pretrained converts them."""
+    src = save_tiny(disk_tmp / "src", arch)
+    names = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    chunk = 8192
+    if arch == "mixtral":
+        assert any(".experts.3.w1.weight" in n for n in names)
+        chunk = 16384                  # a fused expert tensor must fit in one chunk (for now)
+    model = load_pretrained(src, config(disk_tmp / "nvme", chunk=chunk))
+    ref = hf_load(src)
+    assert torch.equal(logits(model), logits(ref))
+    export_pretrained(model, disk_tmp / "out", max_shard_size="20KB")
+    assert torch.equal(logits(hf_load(disk_tmp / "out")), logits(ref))
     model.offload_engine.close()
 
 
@@ -192,6 +210,20 @@ def test_mismatched_shape_and_extra_tensor(disk_tmp):
     (src / "config.json").write_text(json.dumps(cfg))
     message = load_error(src, disk_tmp / "nvme")
     assert "model.layers.1." in message and "not a parameter" in message
+
+
+def test_converted_group_with_a_tensor_missing(disk_tmp):
+    src = save_tiny(disk_tmp / "src", "mixtral")
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rewrite_shard(shard_of(src, name), drop=name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(OffloadError) as err:
+        load_pretrained(src, config(disk_tmp / "nvme", chunk=16384))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "model.layers.1.mlp.experts.gate_up_proj" in message and ".safetensors" in message
 
 
 def test_shard_that_is_not_safetensors(disk_tmp):
