@@ -60,12 +60,13 @@ def _dtype(dtype) -> torch.dtype | None:
 
 # ---- export ----------------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("name", "shape", "dtype", "nbytes", "slot", "buffer", "source")
+    __slots__ = ("name", "shape", "dtype", "nbytes", "slot", "buffer", "source", "source_shape", "pick")
 
     def __init__(self, name, shape, dtype, slot=None, buffer=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.nbytes = math.prod(self.shape) * dtype.itemsize
         self.slot, self.buffer = slot, buffer
+        self.source, self.source_shape, self.pick = name, self.shape, None
 
 
 def _plan(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
@@ -105,7 +106,7 @@ def _write_all(f, data: torch.Tensor, path: Path, name: str) -> None:
 
 def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD,
                        dtype=None, metadata: dict[str, str] | None = None, rename=None,
-                       transform=None) -> list[Path]:
+                       transform=None, expand=None) -> list[Path]:
     """Write ``model``'s weights as HF safetensors shards + index in ``directory``; returns the shard paths.
 
     ``dtype``: the file dtype (torch dtype or "bf16"/"fp16"/"fp32"); None = the engine's compute
@@ -115,6 +116,9 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     ``rename(name) -> str | None``: the name written for a parameter or buffer (None: leave it
     out); ``transform(name, value) -> tensor``: a new value for it (``value`` has the tensor's
     shape, in the chunk's dtype; same shape back) — together they write e.g. merged LoRA weights.
+    ``expand(name, shape) -> [(name, shape, pick)] | None``: write one tensor (after ``rename``) as
+    several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
+    tensor per expert; None: as it is.
     """
     engine = getattr(model, "offload_engine", None)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
@@ -130,7 +134,6 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
         source = "param" if out_dtype == compute or not engine.params.has_master else "master"
         for s in engine.layout.slots:
             entries.append(_Entry(s.name, s.shape, out_dtype, slot=s))
-            entries[-1].source = s.name
     else:
         source = None
         seen = set()
@@ -138,16 +141,26 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
             if id(p) not in seen:
                 seen.add(id(p))
                 entries.append(_Entry(name, p.shape, out_dtype or p.dtype, buffer=p))
-                entries[-1].source = name
     for name, (module, b) in persistent_buffers(model).items():
         buf = getattr(module, b)
         bdtype = out_dtype if (out_dtype is not None and buf.is_floating_point()) else buf.dtype
         entries.append(_Entry(name, buf.shape, bdtype, buffer=buf))
-        entries[-1].source = name
     if rename is not None:
         entries = [e for e in entries if rename(e.name) is not None]
         for e in entries:
             e.name = rename(e.name)
+    if expand is not None:
+        expanded = []
+        for e in entries:
+            parts = expand(e.name, e.shape)
+            if parts is None:
+                expanded.append(e)
+                continue
+            for name, shape, pick in parts:
+                part = _Entry(name, shape, e.dtype, slot=e.slot, buffer=e.buffer)
+                part.source, part.source_shape, part.pick = e.source, e.shape, pick
+                expanded.append(part)
+        entries = expanded
     shards = _plan(entries, max_shard_bytes)
     n = len(shards)
     meta = {"format": "pt", **(metadata or {})}
@@ -172,7 +185,9 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                     else:
                         value = e.buffer.detach().to("cpu").reshape(-1)
                     if transform is not None:
-                        value = transform(e.source, value.view(e.shape)).reshape(-1)
+                        value = transform(e.source, value.view(e.source_shape)).reshape(-1)
+                    if e.pick is not None:
+                        value = e.pick(value.view(e.source_shape)).reshape(-1)
                     value = value.to(e.dtype)
                     _write_all(f, value, path, e.name)
                     weight_map[e.name] = fname

@@ -8,7 +8,10 @@ directory beside the target, which is renamed into place at the end: a crash lea
 export (or nothing), never half of one.
 
 Tied weights are written once, as transformers writes them: under the source name, not under
-the tied copy's (``lm_head.weight`` is left out when it is ``embed_tokens.weight``).
+the tied copy's (``lm_head.weight`` is left out when it is ``embed_tokens.weight``). Tensors that
+transformers converts on load are written in the checkpoint layout its ``save_pretrained`` writes
+(``hub_layout``: a fused Mixtral expert tensor becomes one tensor per expert, GPT-NeoX's
+``lm_head`` is ``embed_out``), which is what other tools (vLLM, llama.cpp's converter) read.
 """
 
 from __future__ import annotations
@@ -99,9 +102,64 @@ def tied_rename(model):
     return (lambda name: tied.get(name, name)) if tied else None
 
 
+def hub_layout(model, names: dict[str, tuple[int, ...]]):
+    """``expand`` for ``export_safetensors``: each tensor as transformers' ``save_pretrained`` would
+    write it (``revert_weight_conversion``), worked out per tensor on meta tensors, the values
+    converted as each tensor streams out. None when nothing is converted, or when a conversion
+    needs several model tensors at once (then the model's own names are written; transformers
+    loads those too). ``model``: the transformers model; ``names``: what the export writes, by shape."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    single = {}
+    for name, shape in names.items():
+        out = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+        if list(out) != [name]:
+            single[name] = {k: tuple(v.shape) for k, v in out.items()}
+    if not single:
+        return None
+    whole = revert_weight_conversion(model, {n: torch.empty(s, device="meta") for n, s in names.items()})
+    per_tensor = {n: s for outs in single.values() for n, s in outs.items()}
+    if any(tuple(whole[n].shape) != s for n, s in per_tensor.items() if n in whole) or \
+            not set(per_tensor) <= set(whole):
+        return None
+    cache: dict = {}
+
+    def expand(name, shape):
+        if name not in single:
+            return None
+
+        def pick(value, target, source=name):
+            if cache.get("source") != source:
+                cache.clear()
+                cache.update(source=source, out=revert_weight_conversion(model, {source: value}))
+            return cache["out"][target]
+
+        return [(t, s, lambda v, t=t: pick(v, t)) for t, s in single[name].items()]
+
+    return expand
+
+
+def _shapes(model) -> dict[str, torch.Size]:
+    """Names and shapes of what an export writes (tied copies and non-persistent buffers excluded)."""
+    from ..checkpoint import persistent_buffers
+
+    engine = getattr(model, "offload_engine", None)
+    out = {}
+    if engine is not None:
+        for s in engine.layout.slots:
+            out[s.name] = torch.Size(s.shape)
+    else:
+        out.update({n: p.shape for n, p in model.named_parameters()})
+    for name, (module, b) in persistent_buffers(model).items():
+        out[name] = getattr(module, b).shape
+    return out
+
+
 def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.PathLike | None = None,
                       max_shard_size="5GB", dtype=None, rename=None, transform=None,
-                      hf_config=None) -> Path:
+                      hf_config=None, expand=None) -> Path:
     """Write ``model`` (wrapped, an HF ``PreTrainedModel``) as an HF directory; returns its path.
 
     ``source``: the directory it was loaded from (tokenizer and generation files are copied from
@@ -121,6 +179,12 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     limit = max_shard_bytes(max_shard_size)
     if rename is None:
         rename = tied_rename(model)
+    if expand is None:
+        names = {n: tuple(shape) for n, shape in _shapes(model).items()}
+        if rename is not None:
+            names = {rename(n): shape for n, shape in names.items() if rename(n) is not None}
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        expand = hub_layout(base, names)
     with StagedDirectory(directory, marker="config.json") as tmp:
         for f in support_files(Path(source) if source is not None else None):
             shutil.copy2(f, tmp / f.name)
@@ -128,5 +192,5 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
         config.dtype = out_dtype
         config.to_json_file(str(tmp / "config.json"))
         export_safetensors(model, tmp, max_shard_bytes=limit, dtype=out_dtype, rename=rename,
-                           transform=transform)
+                           transform=transform, expand=expand)
     return Path(directory)

@@ -91,6 +91,14 @@ def test_checkpoints_transformers_converts_on_load(disk_tmp, arch):
     assert torch.equal(logits(model), logits(ref))
     export_pretrained(model, disk_tmp / "out", max_shard_size="20KB")
     assert torch.equal(logits(hf_load(disk_tmp / "out")), logits(ref))
+    # written in the layout transformers' save_pretrained writes (per-expert, embed_out), same values
+    written = json.loads((disk_tmp / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert written.keys() == names.keys()
+    from safetensors import safe_open
+
+    for name in names:
+        with safe_open(str(src / names[name]), "pt") as a, safe_open(str(disk_tmp / "out" / written[name]), "pt") as b:
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
     model.offload_engine.close()
 
 
