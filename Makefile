@@ -34,8 +34,11 @@ torch:
 	@$(PYTHON) -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' else 1)" 2>/dev/null \
 	  || $(PIP) install -q "torch==$(TORCH_VERSION)"
 
+# The extras (peft, accelerate, transformers) depend on torch without an upper bound: unconstrained,
+# pip "upgrades" the pinned CPU torch to the newest CUDA build. The constraints file holds it.
 .install-stamp: $(NATIVE_SOURCES)
-	$(PIP) install -q -e ".[test]"
+	@echo "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__)')" > .torch-constraint.txt
+	$(PIP) install -q -c .torch-constraint.txt -e ".[test]"
 	@touch $@
 
 finetune: install
@@ -45,4 +48,4 @@ test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf build *.egg-info offload/_native*.so offload/_native.c .install-stamp $(NVME_DIR)
+	rm -rf build *.egg-info offload/_native*.so offload/_native.c .install-stamp .torch-constraint.txt $(NVME_DIR)

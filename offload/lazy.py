@@ -8,6 +8,11 @@ order starting from the recorded random state, copies the values into their chun
 the temporaries — so the weights equal eager construction with the same seed (for modules that
 initialize in ``reset_parameters``, as ``torch.nn`` layers do) while at most one module and a
 couple of partly filled chunks exist in memory outside the tiers.
+
+``lazy_init(config, initialize=False)`` is for weights that will be read from files
+(``offload.hf.load_pretrained``): ``wrap`` then initializes nothing — parameters still on the meta
+device keep empty chunks until the loader writes them, and parameters created with real values
+(LoRA adapters added after the meta build) are copied into their chunks as they are.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ class LazyRecord:
     rng_state: torch.Tensor
     config: OffloadConfig | None
     modules: list = field(default_factory=list)
+    initialize: bool = True     # False: the values come from files, written after wrap
 
 
 @contextmanager
-def lazy_init(config: OffloadConfig | None = None):
-    """Build models on the meta device inside this block; ``offload.wrap`` materializes them."""
-    record = LazyRecord(torch.random.get_rng_state(), config)
+def lazy_init(config: OffloadConfig | None = None, *, initialize: bool = True):
+    """Build models on the meta device inside this block; ``offload.wrap`` materializes them
+    (``initialize=False``: leaves them for a loader to write, see the module docstring)."""
+    record = LazyRecord(torch.random.get_rng_state(), config, initialize=initialize)
     seen: set[int] = set()
 
     def on_register(module: nn.Module, name: str, param):

@@ -240,9 +240,10 @@ def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None
 
 
 def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
-                   chunk_size: int | None = None) -> tuple[int, int]:
-    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
-    numels = param_numels(cfg)
+                   chunk_size: int | None = None, numels: list[int] | None = None) -> tuple[int, int]:
+    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``); ``numels``:
+    the parameters' sizes when they are not ``LlamaForCausalLM(cfg)``'s (a Hugging Face model)."""
+    numels = numels or param_numels(cfg)
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget))
     elif chunk_size < max(numels):
@@ -263,12 +264,22 @@ def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
 
 
 def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Policy(), *,
-         name: str | None = None) -> Plan:
-    """Place ``model``'s state on ``hardware`` under ``policy`` and predict one step."""
+         name: str | None = None, params: list[tuple[int, bool]] | None = None) -> Plan:
+    """Place ``model``'s state on ``hardware`` under ``policy`` and predict one step.
+
+    ``params``: ``[(elements, trainable)]`` per parameter in ``named_parameters()`` order, when
+    the model is not ``LlamaForCausalLM(cfg)`` (a Hugging Face model; ``cfg`` then only shapes the
+    activation and FLOP estimates) or some parameters are frozen (LoRA). Frozen parameters are
+    packed in chunks of their own and cost only those parameter chunks: no gradient, master or
+    moment chunks, no Adam, no NVMe slots beyond their parameters'."""
     label, cfg = resolve_model(model)
     label = name or label
     hw, po = hardware, policy
-    n = param_count(cfg)
+    numels = [k for k, _ in params] if params else param_numels(cfg)
+    trainable_numels = [k for k, t in params if t] if params else numels
+    frozen_numels = [k for k, t in params if not t] if params else []
+    n = sum(numels) if params else param_count(cfg)
+    n_trainable = sum(trainable_numels) if params else n
     e = DTYPE_BYTES[po.dtype]
     master_b = 4 if e < 4 else 0
     seq = po.seq_len or min(cfg.max_seq_len, po.batch_tokens)
@@ -278,15 +289,20 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
     # ---- chunks: every kind has the same geometry; padding is stored like parameters
-    chunk, num_chunks = chunk_geometry(cfg, device_budget, cpu_budget, po.chunk_size)
+    chunk, num_chunks = chunk_geometry(cfg, device_budget, cpu_budget, po.chunk_size, numels)
+    trainable_chunks = num_chunks
+    if frozen_numels:
+        trainable_chunks = _pack(trainable_numels, chunk, PARAM_ALIGN)[-1][0] + 1 if trainable_numels else 0
+        num_chunks = trainable_chunks + _pack(frozen_numels, chunk, PARAM_ALIGN)[-1][0] + 1
     elems = chunk * num_chunks
+    trainable_elems = chunk * trainable_chunks
     per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
-    total = {k: elems * b for k, b in per_elem.items()}
+    total = {k: (elems if k == "params" else trainable_elems) * b for k, b in per_elem.items()}
     set_bytes = chunk * sum(per_elem.values())              # one chunk of every kind
     state_bytes = sum(total.values())
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
-    layer_params = layer_param_count(cfg)
+    layer_params = layer_param_count(cfg) if not params else max(1, (n - max(numels)) // max(cfg.num_layers, 1))
     layer_chunks = min(num_chunks, -(-layer_params // chunk) + 1)
     grads_window = min(total["grads"], layer_chunks * chunk * 4)
     dev_params = min(total["params"], max(0, device_budget - grads_window))
@@ -329,6 +345,8 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
 
     # ---- time per step
     per_tok = flops_per_token(cfg, seq)
+    if frozen_numels:
+        per_tok -= 2.0 * sum(frozen_numels)      # no weight gradient for frozen weights (2 of 6 FLOPs/param)
     if po.activation_checkpointing:
         per_tok *= 4.0 / 3.0             # one more forward, and the forward is 1/3 of fwd + bwd
     rate = hw.compute_tflops * 1e12
@@ -346,7 +364,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "compute": po.batch_tokens * compute_per_tok,
         "pcie": max(traffic["pcie_h2d"], traffic["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
-        "adam": n / hw.adam_params_per_s,
+        "adam": n_trainable / hw.adam_params_per_s,
     }
     if gpu and not po.defer_step:
         predicted = max(terms.values())
@@ -424,6 +442,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     breakdown = {
         "seq_len": seq, "dtype_bytes": e, "device_budget": device_budget, "cpu_budget": cpu_budget,
         "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": elems - n,
+        "trainable_params": n_trainable, "trainable_chunks": trainable_chunks,
         "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
         "params_resident_on_device": resident, "layer_params": layer_params,
         "state_bytes": state_bytes, "state_bytes_per_param": sum(per_elem.values()),

@@ -32,7 +32,11 @@ ADAM_PROBE_PARAMS = 20_000_000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--model", required=True, help="preset: tiny, small, 1b, 7b, 13b, 70b, 100b (or llama-100b, ...)")
+    a("--model", required=True, help="preset: tiny, small, 1b, 7b, 13b, 70b, 100b (or llama-100b, ...), "
+                                     "or a local Hugging Face model directory (its config.json is read)")
+    a("--lora-rank", type=int, help="with a model directory: plan a LoRA fine-tune of this rank as well "
+                                    "(frozen weights cost only their parameter chunks)")
+    a("--lora-targets", help="LoRA target modules, comma-separated (default: peft's for the architecture)")
     a("--gpu-mem", help="GPU memory, e.g. 80G (default: measured; none = CPU-only)")
     a("--cpu-mem", help="RAM for the run, e.g. 512G (default: measured available RAM)")
     a("--nvme-path", action="append", default=[], metavar="DIR",
@@ -71,7 +75,16 @@ def run(args: argparse.Namespace) -> int:
         cpu_budget=_size(args.cpu_budget, "--cpu-budget"),
         defer_step=args.defer_step,
     )
-    result = plan(args.model, hardware, policy)
+    described = describe_models(args)
+    if described:
+        results = [plan(d.shape, hardware, policy, name=d.name, params=d.params) for d in described]
+    else:
+        results = [plan(args.model, hardware, policy)]
+    for result in results[:-1]:         # the full fine-tune first, then the LoRA one
+        if args.json != "-":
+            print(format_plan(result, sources))
+            print()
+    result = results[-1]
     data = result.to_json_dict()
     data["hardware_sources"] = sources
     if args.json == "-":
@@ -89,6 +102,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload plan: refused: {result.reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def describe_models(args: argparse.Namespace) -> list:
+    """For a model directory: its full fine-tune, and with --lora-rank the LoRA one ([] for a preset)."""
+    if getattr(args, "_described", None) is not None:
+        return args._described
+    out = []
+    if Path(args.model).is_dir():
+        from .hf.describe import describe
+
+        out.append(describe(args.model))
+        if args.lora_rank:
+            from .hf.lora import LoraSettings
+
+            targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+            out.append(describe(args.model, LoraSettings(rank=args.lora_rank, targets=targets)))
+    elif args.lora_rank:
+        raise ConfigError("--lora-rank", args.lora_rank, "needs --model DIR (a Hugging Face model directory)")
+    args._described = out
+    return out
+
+
+def model_shape(args: argparse.Namespace):
+    """The preset name, or a directory's LLaMA-shaped summary (for the compute probe)."""
+    described = describe_models(args)
+    return described[0].shape if described else args.model
 
 
 # ------------------------------------------------------------------ figures
@@ -146,7 +185,7 @@ def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]
     elif describe:
         raise _missing("--cpu-gflops", "to describe a CPU-only box (or --gpu-mem and --gpu-tflops)")
     else:
-        gflops, how = probe_cpu_gflops(args.model, args.dtype, args.seq_len, args.batch_tokens)
+        gflops, how = probe_cpu_gflops(model_shape(args), args.dtype, args.seq_len, args.batch_tokens)
         tflops, src["compute_tflops"] = gflops / 1000.0, f"measured ({how})"
     pcie = args.pcie_gbps
     if pcie is not None:
@@ -347,7 +386,7 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
     from .models.llama import (LlamaDecoderLayer, _layer_matmul_params, _rope_tables, get_preset,
                                layer_param_count)
 
-    cfg = get_preset(model)
+    cfg = get_preset(model) if isinstance(model, str) else model
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     tokens = min(batch_tokens or 4096, 4096)
     seq = min(seq_len or cfg.max_seq_len, tokens)
@@ -384,7 +423,9 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     po = p.policy
     lines = [f"offload plan: {p.model}, {p.params / 1e9:.2f} B parameters ({p.params:,}), "
              f"{po['dtype']}, {po['batch_tokens']} tokens/step, seq {b['seq_len']}, "
-             f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}",
+             f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}"
+             + (f"; {b['trainable_params']:,} trainable ({b['trainable_chunks']} of {b['num_chunks']} chunks "
+                "carry gradient, master and moments)" if b.get("trainable_params", p.params) != p.params else ""),
              "(sizes in decimal units: 1 GB = 1e9 bytes; on the command line 8T = 8 TiB = 8.80 TB)",
              "", "hardware"]
     rows = [("GPU memory", format_size(hw["gpu_mem"]) if gpu else "none (CPU-only)", "gpu_mem"),

@@ -60,12 +60,13 @@ def _dtype(dtype) -> torch.dtype | None:
 
 # ---- export ----------------------------------------------------------------------------------
 class _Entry:
-    __slots__ = ("name", "shape", "dtype", "nbytes", "slot", "buffer")
+    __slots__ = ("name", "shape", "dtype", "nbytes", "slot", "buffer", "source", "source_shape", "pick")
 
     def __init__(self, name, shape, dtype, slot=None, buffer=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.nbytes = math.prod(self.shape) * dtype.itemsize
         self.slot, self.buffer = slot, buffer
+        self.source, self.source_shape, self.pick = name, self.shape, None
 
 
 def _plan(entries: list[_Entry], max_shard_bytes: int) -> list[list[_Entry]]:
@@ -104,13 +105,20 @@ def _write_all(f, data: torch.Tensor, path: Path, name: str) -> None:
 
 
 def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD,
-                       dtype=None, metadata: dict[str, str] | None = None) -> list[Path]:
+                       dtype=None, metadata: dict[str, str] | None = None, rename=None,
+                       transform=None, expand=None) -> list[Path]:
     """Write ``model``'s weights as HF safetensors shards + index in ``directory``; returns the shard paths.
 
     ``dtype``: the file dtype (torch dtype or "bf16"/"fp16"/"fp32"); None = the engine's compute
     dtype (those are the exact values the model computes with); another dtype is converted from
     the fp32 master weights. Each shard holds at most ``max_shard_bytes`` (a tensor bigger than
     that gets a shard of its own). Shards are written to temp names and renamed, the index last.
+    ``rename(name) -> str | None``: the name written for a parameter or buffer (None: leave it
+    out); ``transform(name, value) -> tensor``: a new value for it (``value`` has the tensor's
+    shape, in the chunk's dtype; same shape back) — together they write e.g. merged LoRA weights.
+    ``expand(name, shape) -> [(name, shape, pick)] | None``: write one tensor (after ``rename``) as
+    several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
+    tensor per expert; None: as it is.
     """
     engine = getattr(model, "offload_engine", None)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
@@ -137,6 +145,22 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
         buf = getattr(module, b)
         bdtype = out_dtype if (out_dtype is not None and buf.is_floating_point()) else buf.dtype
         entries.append(_Entry(name, buf.shape, bdtype, buffer=buf))
+    if rename is not None:
+        entries = [e for e in entries if rename(e.name) is not None]
+        for e in entries:
+            e.name = rename(e.name)
+    if expand is not None:
+        expanded = []
+        for e in entries:
+            parts = expand(e.name, e.shape)
+            if parts is None:
+                expanded.append(e)
+                continue
+            for name, shape, pick in parts:
+                part = _Entry(name, shape, e.dtype, slot=e.slot, buffer=e.buffer)
+                part.source, part.source_shape, part.pick = e.source, e.shape, pick
+                expanded.append(part)
+        entries = expanded
     shards = _plan(entries, max_shard_bytes)
     n = len(shards)
     meta = {"format": "pt", **(metadata or {})}
@@ -157,9 +181,14 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                         c = e.slot.chunk
                         if cache is None or cache[0] != c:
                             cache = (c, engine.store.read_into((source, c), staging))
-                        value = cache[1][e.slot.offset:e.slot.end].to(e.dtype)
+                        value = cache[1][e.slot.offset:e.slot.end]
                     else:
-                        value = e.buffer.detach().to("cpu", e.dtype).reshape(-1)
+                        value = e.buffer.detach().to("cpu").reshape(-1)
+                    if transform is not None:
+                        value = transform(e.source, value.view(e.source_shape)).reshape(-1)
+                    if e.pick is not None:
+                        value = e.pick(value.view(e.source_shape)).reshape(-1)
+                    value = value.to(e.dtype)
                     _write_all(f, value, path, e.name)
                     weight_map[e.name] = fname
                     total += e.nbytes

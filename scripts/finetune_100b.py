@@ -1,17 +1,27 @@
 #!/usr/bin/env python3
-"""Fine-tune a LLaMA-architecture model of any size on one GPU (or the CPU) with offload.
+"""Fine-tune a Hugging Face checkpoint, or a LLaMA-architecture model of any size, on one GPU (or the CPU).
 
-The model is built lazily (never materialized whole), its parameters, gradients and Adam state
-live in chunks over the compute device, CPU memory and NVMe directories, and the planner
-checks — before anything is allocated — that the box can hold it and predicts the step time.
+The model is never materialized whole: a --model directory (config.json + safetensors shards +
+tokenizer) is built on the meta device and each tensor streamed into its chunk; a --preset is
+built lazily from random weights. Parameters, gradients and Adam state live in chunks over the
+compute device, CPU memory and NVMe directories, and the planner checks — before anything is
+allocated — that the box can hold it and predicts the step time.
 
+    python scripts/finetune_100b.py --model ./Llama-3-8B --data chat.jsonl --output ./tuned --nvme-path /mnt/nvme
+    python scripts/finetune_100b.py --model ./Llama-3-8B --lora-rank 16 --output ./adapter   # peft format
+    python scripts/finetune_100b.py --model ./Llama-3-8B --lora-rank 16 --merge --output ./merged
     python scripts/finetune_100b.py --preset tiny --steps 50 --nvme-path ./offload-nvme
     python scripts/finetune_100b.py --preset 100b --nvme-path /mnt/nvme0 --nvme-path /mnt/nvme1 --dry-run
 
-Presets (parameters): tiny 2.97 M, small 23.7 M, 1b 1.10 B, 7b 6.74 B, 13b 13.0 B, 70b 69.0 B,
-100b 100.7 B. Data: a .txt file (one stream of text) or a .jsonl file (a "text" field per line),
-by default the small corpus in scripts/data/. Tokens are bytes unless --tokenizer names a local
-Hugging Face tokenizer directory (needs `transformers`).
+--model DIR: any architecture transformers' AutoModelForCausalLM builds (LLaMA, Qwen2, Mistral,
+Gemma, GPT-2, GPT-NeoX, OPT, ...); its tokenizer is used when the directory has one. --output DIR
+writes an HF directory (config, tokenizer, sharded safetensors + index) at the end and every
+--save-every steps; with --lora-rank the peft adapter, or with --merge the merged full weights.
+Presets (parameters, from scratch): tiny 2.97 M, small 23.7 M, 1b 1.10 B, 7b 6.74 B, 13b 13.0 B,
+70b 69.0 B, 100b 100.7 B. Data (--data): a .txt file (one stream of text) or a .jsonl file of
+{"text"}, {"prompt", "completion"} (loss on the completion only) or {"messages"} (the tokenizer's
+chat template; loss on the assistant turns only); by default the small corpus in scripts/data/.
+Tokens are bytes unless there is a tokenizer (--tokenizer DIR or the --model directory's).
 """
 
 from __future__ import annotations
@@ -29,10 +39,20 @@ DEFAULT_DATA = ROOT / "data" / "corpus.txt"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", help="tiny, small, 1b, 7b, 13b, 70b, 100b (default tiny)")
+    p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory to fine-tune")
+    p.add_argument("--preset", help="train from scratch: tiny, small, 1b, 7b, 13b, 70b, 100b (default tiny)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="a .txt or .jsonl file (default: the shipped corpus)")
-    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory (default: bytes)")
+    p.add_argument("--tokenizer", help="a local Hugging Face tokenizer directory (default: the --model "
+                                       "directory's, else bytes)")
+    p.add_argument("--output", metavar="DIR", help="write the fine-tuned model here (HF format; LoRA: the adapter)")
+    p.add_argument("--save-every", type=int, default=0, help="also write --output every N steps (0: at the end)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --output (default 5GB)")
+    p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (peft) instead of all weights")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--lora-targets", help="comma-separated module names to adapt (default: peft's for the architecture)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default 0)")
+    p.add_argument("--merge", action="store_true", help="with --lora-rank: --output the merged full weights")
     p.add_argument("--nvme-path", action="append", default=[], metavar="DIR",
                    help="directory for the NVMe tier (repeat to stripe over drives)")
     p.add_argument("--device-budget", default="auto", help="bytes of chunks on the compute device, e.g. 60G")
@@ -56,59 +76,90 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ---- data ---------------------------------------------------------------------------------
-def load_tokens(path: str, tokenizer: str | None):
-    import torch
-
+# ---- model and data -----------------------------------------------------------------------
+def check_args(args) -> None:
     from offload import ConfigError
 
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("--data", path, "is not a file")
-    if file.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ConfigError("--data", f"{path}:{i}", f"expected a JSON object with a 'text' field ({exc})")
-        text = "\n\n".join(texts)
-    else:
-        text = file.read_text(encoding="utf-8")
-    if tokenizer:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise ConfigError("--tokenizer", tokenizer, "needs `pip install transformers`") from exc
-        tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
-        ids = tok(text)["input_ids"]
-        return torch.tensor(ids, dtype=torch.long), len(tok)
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long(), 256
+    if args.model and args.preset:
+        raise ConfigError("--preset", args.preset, "and --model exclude each other (a preset trains from scratch)")
+    if not args.model:
+        args.preset = args.preset or "tiny"
+        for flag, value in (("--lora-rank", args.lora_rank), ("--output", args.output)):
+            if value is not None:
+                raise ConfigError(flag, value, "needs --model DIR (a Hugging Face model directory)")
+    if args.merge and args.lora_rank is None:
+        raise ConfigError("--merge", True, "needs --lora-rank (it merges the trained adapter into the base)")
+    if args.save_every < 0 or (args.save_every and not args.output):
+        raise ConfigError("--save-every", args.save_every, "needs --output and a number >= 0")
+    if args.seq_len < 2 or args.batch_tokens < args.seq_len:
+        raise ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume", True, "needs --checkpoint-dir")
+    if args.output:
+        from offload.hf.export import max_shard_bytes
+
+        max_shard_bytes(args.max_shard_size)
 
 
-def batch_at(tokens, step: int, batch: int, seq: int):
-    """The step-th batch: consecutive windows of the token stream, wrapping (deterministic for resume)."""
-    import torch
+def lora_settings(args):
+    if args.lora_rank is None:
+        return None
+    from offload.hf.lora import LoraSettings
 
-    n = tokens.numel() - seq - 1
-    rows = []
-    for r in range(batch):
-        start = ((step * batch + r) * seq) % max(n, 1)
-        rows.append(tokens[start:start + seq])
-    return torch.stack(rows)
+    targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+    return LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, targets=targets, dropout=args.lora_dropout)
+
+
+def build_model(args, config):
+    """The wrapped model: a checkpoint streamed in (+ LoRA adapters), or a preset built lazily."""
+    import offload
+
+    if args.model:
+        from offload.hf import load_pretrained
+        from offload.hf.lora import apply_lora
+        from offload.hf.load import enable_checkpointing
+
+        lora = lora_settings(args)
+
+        def adapt(model):
+            model.config.use_cache = False
+            if not args.no_checkpointing:
+                enable_checkpointing(model)
+            return apply_lora(model, lora) if lora is not None else model
+
+        return load_pretrained(args.model, config, adapt=adapt)
+    from offload.models.llama import LlamaForCausalLM, get_preset
+
+    with offload.lazy_init(config):
+        model = LlamaForCausalLM(get_preset(args.preset))
+    model.gradient_checkpointing = not args.no_checkpointing
+    return offload.wrap(model)
+
+
+def load_dataset(args, vocab_size: int):
+    from offload import ConfigError
+    from offload.data import load_data, load_tokenizer
+
+    directory, flag = (args.tokenizer, "--tokenizer") if args.tokenizer else (None, None)
+    if directory is None and args.model and args.model_info.has_tokenizer:
+        directory, flag = args.model, "--model"
+    tokenizer = load_tokenizer(directory, flag) if directory else None
+    data = load_data(args.data, tokenizer)
+    if data.vocab_size > vocab_size:
+        raise ConfigError(flag or "--data", directory or args.data,
+                          f"has {data.vocab_size} tokens; the model's vocabulary is {vocab_size}")
+    return data
 
 
 # ---- planning -----------------------------------------------------------------------------
-def make_plan(args, cfg, config):
+def make_plan(args, cfg, config, described=None):
     """Run the planner on this box (it measures NVMe, Adam and compute); returns (plan, sources)."""
     from offload import planner_cli
     from offload.planner import Policy, plan
 
     parser = argparse.ArgumentParser()
     planner_cli.add_arguments(parser)
-    argv = ["--model", args.preset, "--dtype", args.dtype, "--batch-tokens", str(args.batch_tokens),
+    argv = ["--model", args.model or args.preset, "--dtype", args.dtype, "--batch-tokens", str(args.batch_tokens),
             "--seq-len", str(args.seq_len)]
     for path in args.nvme_path:
         argv += ["--nvme-path", path]
@@ -119,6 +170,8 @@ def make_plan(args, cfg, config):
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
                     cpu_budget=None if config.cpu_budget == "auto" else int(config.cpu_budget),
                     defer_step=args.max_grad_norm is not None)
+    if described is not None:
+        return plan(described.shape, hardware, policy, name=described.name, params=described.params), sources, notes
     return plan(cfg, hardware, policy, name=f"llama-{args.preset}"), sources, notes
 
 
@@ -174,21 +227,28 @@ def main(argv=None) -> int:
 
     import offload
     from offload import OffloadError
-    from offload.models.llama import LlamaForCausalLM, flops_per_token, get_preset, param_count
+    from offload.models.llama import flops_per_token, get_preset, param_count
     from offload.planner import format_size
 
-    cfg = get_preset(args.preset)
-    if args.seq_len < 2 or args.batch_tokens < args.seq_len:
-        raise offload.ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
+    check_args(args)
+    described = None
+    if args.model:
+        from offload.hf import read_checkpoint
+        from offload.hf.describe import describe
+
+        args.model_info = read_checkpoint(args.model)        # every shard's header checked up front
+        described = describe(args.model, lora_settings(args))
+        cfg, name, n_params = described.shape, described.name, described.total
+    else:
+        cfg = get_preset(args.preset)
+        name, n_params = f"llama-{args.preset}", param_count(cfg)
     seq = min(args.seq_len, cfg.max_seq_len)
     batch = args.batch_tokens // seq
-    if args.resume and not args.checkpoint_dir:
-        raise offload.ConfigError("--resume", True, "needs --checkpoint-dir")
     config = offload.OffloadConfig(
         dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
         nvme_paths=args.nvme_path or None)
-    n_params = param_count(cfg)
-    print(f"finetune: llama-{args.preset}, {n_params / 1e6:,.1f} M parameters, {args.dtype}, "
+    trainable = f" ({described.trainable / 1e6:,.3f} M trainable)" if described and args.lora_rank is not None else ""
+    print(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {args.dtype}, "
           f"{batch} x {seq} tokens per step, {args.steps} steps", file=sys.stderr)
 
     for path in args.nvme_path:
@@ -198,7 +258,7 @@ def main(argv=None) -> int:
             raise offload.ConfigError("--nvme-path", path, f"cannot be created: {exc.strerror}") from exc
     predicted = None
     if not args.no_plan:
-        result, sources, notes = make_plan(args, cfg, config)
+        result, sources, notes = make_plan(args, cfg, config, described)
         from offload.planner_cli import format_plan
 
         print(format_plan(result, sources), file=sys.stderr)
@@ -209,18 +269,16 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
 
-    tokens, vocab = load_tokens(args.data, args.tokenizer)
-    if vocab > cfg.vocab_size:
-        raise offload.ConfigError("--tokenizer", args.tokenizer, f"has {vocab} tokens; the preset's vocabulary is {cfg.vocab_size}")
+    from offload.data import Batches
+
+    data = load_dataset(args, cfg.vocab_size)
+    batches = Batches(data, batch, seq)
     torch.manual_seed(args.seed)
     reset_peak_rss()
     base_rss = current_rss()
     built = time.perf_counter()
-    with offload.lazy_init(config):
-        model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing = not args.no_checkpointing
-    model = offload.wrap(model)
-    optimizer = offload.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+    model = build_model(args, config)
+    optimizer = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay,
                               betas=(0.9, 0.95), max_grad_norm=args.max_grad_norm)
 
     def lr_at(step):
@@ -237,6 +295,11 @@ def main(argv=None) -> int:
         manifest = load_checkpoint(model, optimizer, args.checkpoint_dir)
         start_step = int(manifest["extra"]["step"])
         scheduler.load_state_dict(manifest["extra"]["scheduler"])
+        # Older checkpoints have no data position: batch i was the i-th step's.
+        changed = batches.restore(manifest["extra"].get("data", {"next_batch": start_step, "rows": batch,
+                                                                 "seq_len": seq, "path": None, "bytes": None}))
+        if changed and "data" in manifest["extra"]:
+            print(f"finetune: note: {changed}", file=sys.stderr)
         print(f"finetune: resumed from {manifest['path']} at step {start_step}", file=sys.stderr)
     print(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.layout}",
           file=sys.stderr)
@@ -250,8 +313,8 @@ def main(argv=None) -> int:
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
-            ids = batch_at(tokens, step, batch, seq).to(model.offload_engine.device)
-            loss = model(ids, labels=ids).loss
+            ids, labels = (t.to(model.offload_engine.device) for t in batches.next())
+            loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -276,10 +339,19 @@ def main(argv=None) -> int:
                 from offload.checkpoint import save_checkpoint
 
                 path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=done,
-                                       extra={"step": done, "scheduler": scheduler.state_dict()}, keep=2)
+                                       extra={"step": done, "scheduler": scheduler.state_dict(),
+                                              "data": batches.state()}, keep=2)
                 if tty:
                     print(file=sys.stderr)
                 print(f"finetune: checkpoint {path}", file=sys.stderr)
+            if args.output and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+                from offload.hf.output import write_output
+
+                path = write_output(model, args.output, merge=args.merge, max_shard_size=args.max_shard_size)
+                if tty:
+                    print(file=sys.stderr)
+                print(f"finetune: wrote {'merged weights' if args.merge else 'the adapter' if args.lora_rank else 'the model'}"
+                      f" to {path}", file=sys.stderr)
         if tty:
             print(file=sys.stderr)
         summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss)

@@ -87,6 +87,9 @@ class ChunkedParams:
         """Materialize a ``lazy_init`` model module by module into its chunks (see offload.lazy)."""
         from ..errors import ConfigError
 
+        if not record.initialize:
+            self.fill_real_only(tier)
+            return
         remaining = [len(m) for m in self.chunk_members]
         staging: dict[int, torch.Tensor] = {}
         done: set[int] = set()
@@ -134,6 +137,20 @@ class ChunkedParams:
         missing = [self.names_of(c) for c, n in enumerate(remaining) if n]
         if missing:
             raise ConfigError("model", missing[0], "these parameters were never initialized by reset_parameters()")
+
+    def fill_real_only(self, tier: str) -> None:
+        """Copy in the parameters that have values (zeros beside them); chunks of meta-built
+        parameters only stay empty (FREE) until a loader writes them (``lazy_init(initialize=False)``)."""
+        for c, members in enumerate(self.chunk_members):
+            real = [p for p in members if p.numel() == self.ref(p).slot.numel and p.numel() > 0]
+            if not real:
+                continue
+            values = torch.zeros(self.layout.chunk_size, dtype=torch.float32, device="cpu")
+            for p in real:
+                s = self.ref(p).slot
+                values[s.offset:s.end].copy_(p.data.reshape(-1))
+                p.data = self._placeholder
+            self._initialize_chunk(c, values, tier)
 
     def names_of(self, c: int) -> list[str]:
         return [self.ref(p).name for p in self.chunk_members[c]]
