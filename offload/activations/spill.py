@@ -30,7 +30,8 @@ class SpillSlot:
 
 
 class SpillSpace:
-    def __init__(self, dirs, aio: AsyncIO, prefix: str):
+    def __init__(self, dirs, aio: AsyncIO, prefix: str, *, segment_min: int = SEGMENT_MIN):
+        self.segment_min = segment_min
         self.dirs = list(dirs)
         self.aio = aio
         self.prefix = prefix
@@ -49,7 +50,7 @@ class SpillSpace:
                 self.in_use += nbytes
                 return SpillSlot(i, file, start, nbytes)
         rounded = -(-nbytes // ALIGN) * ALIGN
-        grow = max(SEGMENT_MIN, rounded, self.size)
+        grow = max(self.segment_min, rounded, self.size)
         grow = -(-grow // (len(self.dirs) * ALIGN)) * len(self.dirs) * ALIGN
         free = nvme_capacity(self.dirs)
         if grow > free:
