@@ -198,10 +198,12 @@ class ActivationStore:
             self._prefetch_below(self._seq)
 
     # ---- moving an entry ---------------------------------------------------------------------
-    def _room(self, nbytes_: int, below: int | None) -> torch.Tensor | None:
+    def _room(self, nbytes_: int, below: int | None, for_entry: Entry | None = None) -> torch.Tensor | None:
         """An area buffer of ``nbytes_``, spilling the earliest entries to NVMe ("nvme") to make
         room; None when it cannot be had. ``below``: only entries saved before this one may be
-        spilled (in backward, the ones needed after the one being brought back)."""
+        spilled (in backward, the ones needed after the one being brought back). ``for_entry``:
+        the entry backward needs now: any other may make room for it (backward does not always
+        take saved tensors in exactly the reverse order they were saved)."""
         area = self.area
         if nbytes_ > area.budget:
             return None
@@ -213,6 +215,8 @@ class ActivationStore:
             landing = sum(e.host.numel() for e in writing)
             if self.tier == "nvme" and landing < area.tier.shortfall(nbytes_):
                 victim = self._spill_victim(below)
+                if victim is None and for_entry is not None:
+                    victim = self._spill_victim(None, exclude=for_entry)
                 if victim is not None:
                     self._make_room_from(victim)
                     continue
@@ -223,14 +227,18 @@ class ActivationStore:
             if uploading:
                 self._finish_upload(uploading[0], wait=True)
                 continue
+            reading = [e for e in self.entries.values() if e.read is not None and e is not for_entry]
+            if for_entry is not None and reading:
+                self._finish_read(min(reading, key=lambda x: x.seq), wait=True)   # then it can go
+                continue
             return None
         return area.allocate(nbytes_)
 
-    def _spill_victim(self, below: int | None) -> Entry | None:
+    def _spill_victim(self, below: int | None, exclude: Entry | None = None) -> Entry | None:
         """The entry backward needs last among those whose area bytes could go: the earliest
         saved (before ``below``) that is in the area alone, or whose NVMe copy is already there."""
         cands = [e for e in self.entries.values() if e.host is not None and e.write is None and e.read is None
-                 and e.device is None and (below is None or e.seq < below)]
+                 and e.device is None and (below is None or e.seq < below) and e is not exclude]
         return min(cands, key=lambda x: x.seq) if cands else None
 
     def _make_room_from(self, e: Entry) -> None:
@@ -272,7 +280,7 @@ class ActivationStore:
         return True
 
     def _start_read(self, e: Entry, urgent: bool) -> bool:
-        host = self._room(e.slot.nbytes, below=e.seq)
+        host = self._room(e.slot.nbytes, below=e.seq, for_entry=e if urgent else None)
         if host is None:
             return False
         e.host = host
