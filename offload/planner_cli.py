@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .config import read_json_object
 from .errors import ConfigError, OffloadError
-from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size, plan
+from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size
+from .planner_choice import choice_json, choose, format_choice
 from .tiers.nvme import nvme_capacity
 from .units import parse_bytes
 
@@ -56,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "the RAM the device did not take)")
     a("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     a("--defer-step", action="store_true", help="hold all gradients until backward ends (grad clipping)")
+    a("--activation-offload", default="auto", choices=("auto", "none", "cpu", "nvme"),
+      help="where checkpointed layers' inputs wait for backward (default auto: the planner picks the "
+           "fastest way that fits, also weighing gradient accumulation)")
+    a("--micro-batches", type=int, help="gradient accumulation: passes per step (default: the planner picks)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
 
 
@@ -70,16 +75,22 @@ def run(args: argparse.Namespace) -> int:
         device_budget=_size(args.device_budget, "--device-budget"),
         cpu_budget=_size(args.cpu_budget, "--cpu-budget"),
         defer_step=args.defer_step,
+        **_fixed_way(args),
     )
-    result = plan(args.model, hardware, policy)
+    choice = choose(args.model, hardware, policy,
+                    modes=None if args.activation_offload == "auto" else [args.activation_offload],
+                    micro_batches=None if args.micro_batches is None else [args.micro_batches])
+    result = choice.best or choice.given
     data = result.to_json_dict()
     data["hardware_sources"] = sources
+    data["ways"] = choice_json(choice)
     if args.json == "-":
         print(json.dumps(data, indent=2))
     else:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         print(format_plan(result, sources))
+        print(format_choice(choice))
         if args.json:
             try:
                 Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
@@ -89,6 +100,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload plan: refused: {result.reason}", file=sys.stderr)
         return 1
     return 0
+
+
+def _fixed_way(args: argparse.Namespace) -> dict:
+    """The policy fields the user fixed (the rest the planner chooses)."""
+    out = {}
+    if args.micro_batches is not None:
+        out["micro_batches"] = _positive_int(args.micro_batches, "--micro-batches")
+    if args.activation_offload != "auto":
+        out["activation_offload"] = args.activation_offload
+    return out
 
 
 # ------------------------------------------------------------------ figures
@@ -381,6 +402,15 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s" if s < 100 else f"{s:.0f} s"
 
 
+def _way_text(po: dict, b: dict) -> str:
+    out = ""
+    if po.get("activation_offload", "none") != "none":
+        out += f", activations parked in {'RAM' if po['activation_offload'] == 'cpu' else 'RAM + NVMe'}"
+    if po.get("micro_batches", 1) > 1:
+        out += f", {po['micro_batches']} micro-batches of {b['micro_batch_tokens']} tokens"
+    return out
+
+
 def format_plan(p: Plan, sources: dict | None = None) -> str:
     """The plan as a readable table (what ``offload plan`` prints)."""
     sources = sources or {}
@@ -389,7 +419,8 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     po = p.policy
     lines = [f"offload plan: {p.model}, {p.params / 1e9:.2f} B parameters ({p.params:,}), "
              f"{po['dtype']}, {po['batch_tokens']} tokens/step, seq {b['seq_len']}, "
-             f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}",
+             f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}"
+             + _way_text(po, b),
              "(sizes in decimal units: 1 GB = 1e9 bytes; on the command line 8T = 8 TiB = 8.80 TB)",
              "", "hardware"]
     rows = [("GPU memory", format_size(hw["gpu_mem"]) if gpu else "none (CPU-only)", "gpu_mem"),
@@ -444,6 +475,9 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
         how = "compute + Adam + NVMe: without a GPU the same cores run all three and I/O waits stall compute"
     elif po["defer_step"]:
         how = "max(compute, PCIe, NVMe) + max(Adam, its NVMe): the step is deferred to after backward"
+    elif po.get("micro_batches", 1) > 1:
+        how = (f"{po['micro_batches'] - 1} micro-batches at max(compute, PCIe, NVMe) each, then the last "
+               "beside the optimizer's NVMe traffic and Adam, which overlap only its backward")
     else:
         how = "max of the terms: Adam overlaps backward"
     lines += ["", f"predicted step time: {_seconds(p.predicted_step_s)} ({how}); "
@@ -457,7 +491,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     else:
         fit = "" if p.max_batch_tokens is None or p.gpu_bound_batch_tokens <= p.max_batch_tokens else (
             f"; but {'the GPU' if gpu else 'RAM'} holds activations for at most "
-            f"{p.max_batch_tokens} tokens/step (gradient accumulation would be needed; not modelled)")
+            f"{p.max_batch_tokens} tokens/step this way (see the other ways below)")
         lines.append(f"bottleneck: {p.bottleneck}; compute becomes the bottleneck from "
                      f"{p.gpu_bound_batch_tokens} tokens/step{fit}")
     lines.append(("verdict: " if p.fits else "verdict: REFUSED: ") + p.reason)

@@ -9,12 +9,9 @@ says so (``OffloadConfig.activation_offload``).
 from __future__ import annotations
 
 from ..activations import ActivationArea, ActivationStore, SpillSpace
+from ..activations.area import AUTO_AREA_MIN, AUTO_AREA_SHARE
 from ..config import OffloadConfig
 from ..errors import ConfigError
-
-# "auto" area budget: this share of the RAM the chunk budgets leave free at start.
-AUTO_AREA_SHARE = 0.5
-AUTO_AREA_MIN = 64 << 20
 
 
 def area_budget(config: OffloadConfig, device_type: str, device_budget: int, cpu_budget: int) -> int:
