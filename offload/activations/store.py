@@ -156,7 +156,7 @@ class ActivationStore:
             self._seq += 1
             e.host = host
             e.origin = weakref.ref(origin)
-            flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
+            flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
             started = time.perf_counter()
             streams = self.streams()
             dst = host[:size].view(t.dtype)
