@@ -113,7 +113,8 @@ def format_choice(c: Choice) -> str:
     from .planner import format_size
 
     tokens = c.given.policy["batch_tokens"]
-    lines = ["", f"ways to {tokens} tokens/step ({c.candidates} plans; the fastest that fits is chosen)"]
+    lines = ["", f"ways to {tokens} tokens/step ({c.candidates} plan{'s' if c.candidates != 1 else ''}; "
+                         "the fastest that fits is chosen)"]
     for fam, label in FAMILIES:
         p = c.families.get(fam)
         if p is None:
