@@ -158,6 +158,29 @@ def test_bytes_per_step_are_the_checkpointed_layers_inputs(disk_tmp):
         assert s["activations"]["live"] == 0 and s["activations"]["area_in_use"] == 0
 
 
+def test_accumulated_micro_batches_park_each_pass(disk_tmp):
+    """With gradient accumulation each forward parks its own layer inputs; a step's statistics
+    count every pass, and training equals accumulation without parking."""
+    def run(mode):
+        model = offload.wrap(builtin(True), config(disk_tmp, mode, gradient_accumulation_steps=2))
+        opt = offload.AdamW(model.parameters(), lr=LR)
+        try:
+            for ids in batches():
+                for half in ids.split(1):
+                    (model(half, labels=half).loss / 2).backward()
+                opt.step()
+                opt.zero_grad()
+            return model.state_dict(), model.offload_stats()["activations"]
+        finally:
+            model.offload_engine.close()
+
+    want, _ = run("none")
+    got, acts = run("cpu")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    per_pass = LLAMA.num_layers * SEQ * LLAMA.hidden_size * 4 + 2 * SEQ * LLAMA.head_dim * 4
+    assert acts["bytes"]["device->cpu"] == acts["bytes"]["cpu->device"] == 2 * per_pass
+
+
 def test_asynchronous_copies_give_the_same_training(disk_tmp):
     """The GPU path's ordering on simulated copy streams: parking on the device-to-host stream,
     bringing back on the host-to-device one, chunks through three tiers with their own copies."""
