@@ -21,8 +21,9 @@ compute waits for the upload's event before it reads the tensor. No host buffer 
 spill range rewritten before the copy or I/O reading it has finished. Without streams (the CPU is
 the compute device) the copies are synchronous memcpys.
 
-A tensor autograd saved several times (a layer's input feeds q, k and v) is parked once: later
-packs of the same live, unmodified tensor share its entry. An entry lives until the last
+A tensor autograd saved several times (a layer's input feeds q, k and v; the RoPE tables every
+checkpointed layer is given) is parked once: later packs of the same live, unmodified tensor share
+its entry, which takes the place of the last one in the order. An entry lives until the last
 ``SavedActivation`` of it is freed by autograd (after the backward that used it, or with the graph);
 its device copy lives as long, exactly as the original would have.
 """
@@ -144,6 +145,11 @@ class ActivationStore:
             key = (t.data_ptr(), t.dtype, tuple(t.size()), tuple(t.stride()))
             e = self.by_key.get(key)
             if e is not None and not e.released and e.origin() is origin and e.version == t._version:
+                # Backward first needs it where it was saved last: it moves to that place in the order.
+                del self.entries[e.seq]
+                e.seq = self._seq
+                self._seq += 1
+                self.entries[e.seq] = e
                 self.shared += 1
                 return SavedActivation(self, e)
             size = nbytes(t)
@@ -214,7 +220,8 @@ class ActivationStore:
             writing = [e for e in self.entries.values() if e.write is not None]
             landing = sum(e.host.numel() for e in writing)
             if self.tier == "nvme" and landing < area.tier.shortfall(nbytes_):
-                victim = self._spill_victim(below)
+                # A prefetch never drops another read-back copy (they would take turns being read).
+                victim = self._spill_victim(below, reread=for_entry is not None)
                 if victim is None and for_entry is not None:
                     victim = self._spill_victim(None, exclude=for_entry)
                 if victim is not None:
@@ -234,11 +241,13 @@ class ActivationStore:
             return None
         return area.allocate(nbytes_)
 
-    def _spill_victim(self, below: int | None, exclude: Entry | None = None) -> Entry | None:
+    def _spill_victim(self, below: int | None, exclude: Entry | None = None, reread: bool = True) -> Entry | None:
         """The entry backward needs last among those whose area bytes could go: the earliest
-        saved (before ``below``) that is in the area alone, or whose NVMe copy is already there."""
+        saved (before ``below``) that is in the area alone, or (``reread``) whose NVMe copy is
+        already there."""
         cands = [e for e in self.entries.values() if e.host is not None and e.write is None and e.read is None
-                 and e.device is None and (below is None or e.seq < below) and e is not exclude]
+                 and e.device is None and (below is None or e.seq < below) and e is not exclude
+                 and (reread or e.slot is None)]
         return min(cands, key=lambda x: x.seq) if cands else None
 
     def _make_room_from(self, e: Entry) -> None:
