@@ -20,6 +20,7 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 EVICTIONS = ("next_use", "lru")
+ACTIVATION_OFFLOADS = ("none", "cpu", "nvme", "auto")
 CHUNK_QUANTUM = 2048
 """Chunk sizes are multiples of this many elements: whole 4 KiB blocks (O_DIRECT) at any dtype."""
 DIRECT_IO_ALIGNMENT = 4096
@@ -128,6 +129,18 @@ class OffloadConfig:
     """fp16 only: the first dynamic loss scale."""
     loss_scale_window: int = 1000
     """fp16 only: good steps before the loss scale doubles."""
+    activation_offload: str = "none"
+    """Where tensors saved for backward at checkpoint boundaries (each checkpointed layer's input)
+    go until backward needs them: "none" (stay on the compute device), "cpu" (a budgeted area of
+    CPU memory, pinned with CUDA), "nvme" (that area, spilling to ``nvme_paths`` what does not fit),
+    or "auto" ("nvme" when there are nvme_paths, else "cpu")."""
+    activation_budget: Union[int, str] = "auto"
+    """Bytes of the CPU activation area, or "auto" (half the RAM left beside the chunk budgets)."""
+    activation_min_bytes: int | None = None
+    """Also offload any other saved tensor of at least this many bytes (activations without
+    checkpointing, the lm_head input); None: checkpoint boundaries only."""
+    activation_prefetch: int = 4
+    """Offloaded tensors brought back ahead of the backward that needs them (reverse forward order)."""
 
     def __post_init__(self) -> None:
         _choice(self.device, "device", DEVICES)
@@ -153,10 +166,24 @@ class OffloadConfig:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (1.0 <= scale <= 2.0**32):
             raise ConfigError("initial_loss_scale", scale, "must be a number between 1 and 2**32")
         _int_in(self.loss_scale_window, "loss_scale_window", 1)
+        _choice(self.activation_offload, "activation_offload", ACTIVATION_OFFLOADS)
+        _set(self, "activation_budget", _budget(self.activation_budget, "activation_budget"))
+        if self.activation_min_bytes is not None:
+            _int_in(self.activation_min_bytes, "activation_min_bytes", 0)
+        _int_in(self.activation_prefetch, "activation_prefetch", 0, 1 << 20)
+        if self.activation_offload == "nvme" and self.nvme_paths is None:
+            raise ConfigError("activation_offload", "nvme", "spills to NVMe: give nvme_paths (or use 'cpu')")
         if isinstance(self.aio, dict):
             _set(self, "aio", _from_mapping(AioConfig, self.aio, "aio."))
         if not isinstance(self.aio, AioConfig):
             raise ConfigError("aio", self.aio, "expected an offload.AioConfig or a dict of its fields")
+
+    @property
+    def activation_tier(self) -> str:
+        """Where offloaded activations may go: "none", "cpu" or "nvme" ("auto" resolved)."""
+        if self.activation_offload == "auto":
+            return "nvme" if self.nvme_paths is not None else "cpu"
+        return self.activation_offload
 
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A copy with some fields changed (validated again)."""

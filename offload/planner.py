@@ -52,12 +52,14 @@ from typing import Union
 
 from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, _pack, auto_max_chunk, search_chunk_size
 from .errors import ConfigError
+from .planner_activations import activation_problems, area_budget, place_activations
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count, param_count
 from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
                            min_device_bytes)
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+ACTIVATION_PLACES = ("none", "cpu", "nvme")
 STATE_KINDS = ("params", "master", "exp_avg", "exp_avg_sq", "grads")
 """The CPU tier's priority order (gradients only stay there whole when the step is deferred)."""
 
@@ -133,9 +135,25 @@ class Policy:
     """Elements per chunk; None: the engine's "auto" search."""
     defer_step: bool = False
     """Hold all gradients until backward ends (global-norm clipping, fp16 overflow checks)."""
+    micro_batches: int = 1
+    """Gradient accumulation: forward/backward passes per optimizer step, ``batch_tokens`` split
+    evenly; each pass streams the parameters again and adds into fp32 gradients held whole."""
+    activation_offload: str = "none"
+    """Where checkpointed layers' inputs wait for backward: "none" (GPU), "cpu" (the pinned
+    activation area) or "nvme" (that area, spilling the rest); needs activation checkpointing."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_tokens")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or not 1 <= self.micro_batches <= self.batch_tokens:
+            raise ConfigError("micro_batches", self.micro_batches,
+                              f"must be an integer between 1 and batch_tokens={self.batch_tokens}")
+        if self.activation_offload not in ACTIVATION_PLACES:
+            raise ConfigError("activation_offload", self.activation_offload,
+                              f"must be one of {', '.join(ACTIVATION_PLACES)}")
+        if self.activation_offload != "none" and not self.activation_checkpointing:
+            raise ConfigError("activation_offload", self.activation_offload,
+                              "offloads checkpointed layers' inputs: it needs activation checkpointing")
         _positive(self, "seq_len", optional=True)
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
@@ -282,9 +300,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     n_trainable = sum(trainable_numels) if params else n
     e = DTYPE_BYTES[po.dtype]
     master_b = 4 if e < 4 else 0
-    seq = po.seq_len or min(cfg.max_seq_len, po.batch_tokens)
-    if seq > po.batch_tokens:
-        raise ConfigError("seq_len", seq, f"is longer than batch_tokens={po.batch_tokens}")
+    k = po.micro_batches
+    micro = -(-po.batch_tokens // k)                 # tokens per forward/backward pass
+    seq = po.seq_len or min(cfg.max_seq_len, micro)
+    if seq > micro:
+        raise ConfigError("seq_len", seq, f"is longer than batch_tokens={po.batch_tokens}" if k == 1 else
+                          f"is longer than a micro-batch ({po.batch_tokens} tokens / {k})")
     gpu = hw.gpu_mem is not None
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
@@ -308,8 +329,10 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     dev_params = min(total["params"], max(0, device_budget - grads_window))
     resident = dev_params == total["params"]
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
-    acts = {k: v * po.batch_tokens for k, v in act_per_tok.items()}
-    act_total = sum(acts.values())
+    acts = {part: v * micro for part, v in act_per_tok.items()}
+    placed = place_activations(cfg, e, po.activation_offload, micro, act_per_tok,
+                               area_budget(hw, device_budget, cpu_budget))
+    act_total = placed.device_bytes                 # on the GPU during one micro-batch
     device_min = min_device_bytes(chunk, e)
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
@@ -317,16 +340,19 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     cpu_min = min_cpu_bytes(chunk, e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
-    lower["grads"] = total["grads"] if po.defer_step else 0   # else consumed by Adam as they arrive
+    # consumed by Adam as they arrive, unless held whole: a deferred step, or accumulating micro-batches
+    lower["grads"] = total["grads"] if po.defer_step or k > 1 else 0
     nvme_tier = hw.nvme_capacity > 0
     cpu, spill = _split(lower, STATE_KINDS, cpu_budget - working)
     if not nvme_tier:
         # the CPU tier is the bottom: everything must be held in RAM (the device's parameters are copies)
         spill = {k: 0 for k in spill}
     tiers = {"device": {"bytes": sum(tiers_device.values()), **tiers_device},
-             "cpu": {"bytes": sum(cpu.values()) + working, "working": working, **cpu},
-             "nvme": {"bytes": sum(spill.values()), **spill}}
-    nvme_needed = state_bytes if nvme_tier else 0          # a slot for every chunk of every kind
+             "cpu": {"bytes": sum(cpu.values()) + working + placed.area_bytes, "working": working, **cpu,
+                     "activations": placed.area_bytes},
+             "nvme": {"bytes": sum(spill.values()) + placed.spill_bytes, **spill, "activations": placed.spill_bytes}}
+    # a slot for every chunk of every kind, and the activations' spill space
+    nvme_needed = state_bytes + placed.spill_bytes if nvme_tier else 0
 
     # ---- traffic per step
     h2d_fwd = total["params"]                                  # rewritten on the CPU by the update
@@ -336,11 +362,17 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     refetch = pn * h2d_bwd / total["params"] if total["params"] else 0
     opt_nvme = spill["master"] + spill["exp_avg"] + spill["exp_avg_sq"] + spill["grads"]
     opt_read = opt_nvme + (0 if master_b else pn)               # fp32: Adam reads the parameter as master
+    # Each micro-batch after the first streams again what the device does not keep (forward and
+    # backward), moves the gradients out and (to add into them) back in, re-reads spilled parameters
+    # and gradients; parked activations go out and back once per micro-batch.
+    h2d_params = h2d_fwd + h2d_bwd + (k - 1) * 2 * h2d_bwd
+    grad_spill = (k - 1) * spill["grads"]
+    act_host, act_spill = placed.host_bytes * k, placed.spill_bytes * k
     traffic = {
-        "nvme_read": int(opt_read + pn + refetch),
-        "nvme_write": int(opt_nvme + pn),
-        "pcie_h2d": h2d_fwd + h2d_bwd if gpu else 0,
-        "pcie_d2h": d2h if gpu else 0,
+        "nvme_read": int(opt_read + (pn + refetch) * k + grad_spill + act_spill),
+        "nvme_write": int(opt_nvme + pn + grad_spill + act_spill),
+        "pcie_h2d": h2d_params + d2h * (k - 1) + act_host if gpu else 0,
+        "pcie_d2h": d2h * k + act_host if gpu else 0,
     }
 
     # ---- time per step
@@ -366,8 +398,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "nvme": nvme_s,
         "adam": n_trainable / hw.adam_params_per_s,
     }
+    # One micro-batch's share of what runs beside compute (the optimizer's own NVMe traffic aside).
+    per_micro = max(terms["compute"], terms["pcie"], nvme_s - opt_nvme_s) / k
     if gpu and not po.defer_step:
-        predicted = max(terms.values())
+        # The update overlaps only the last micro-batch's backward (k = 1: max of the terms).
+        predicted = (k - 1) * per_micro + max(terms["compute"] / k, terms["pcie"] / k,
+                                              (nvme_s - opt_nvme_s) / k + opt_nvme_s, terms["adam"])
         bottleneck = max(terms, key=terms.get)
         others = max(terms["pcie"], terms["nvme"], terms["adam"])
         gpu_bound = None if bottleneck == "compute" else others / compute_per_tok
@@ -375,7 +411,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         # the optimizer (and its share of the disk) runs after the backward
         during = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": nvme_s - opt_nvme_s}
         after = {"adam": terms["adam"], "nvme": opt_nvme_s}
-        predicted = max(during.values()) + max(after.values())
+        predicted = k * per_micro + max(after.values())
         parts = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": during["nvme"] + opt_nvme_s,
                  "adam": terms["adam"]}
         bottleneck = max(parts, key=parts.get)
@@ -390,12 +426,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     gpu_bound_tokens = None if gpu_bound is None else max(seq, math.ceil(gpu_bound / seq) * seq)
 
     # ---- does it fit?
-    act_tok = sum(act_per_tok.values())
+    act_tok = placed.device_per_token
     if gpu:
         act_room = hw.gpu_mem - device_budget - GPU_WORKSPACE
     else:
         act_room = hw.cpu_mem - device_budget - cpu_budget
-    max_batch = act_room // act_tok // seq * seq if act_room > 0 else 0
+    max_batch = k * (act_room // act_tok // seq * seq) if act_room > 0 else 0
     problems = []
     if device_budget < device_min:
         problems.append(
@@ -409,9 +445,10 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
         problems.append(
             f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "
-            f"{format_size(device_budget)} + {format_size(act_total)} activations for {po.batch_tokens} "
+            f"{format_size(device_budget)} + {format_size(act_total)} activations for {micro} "
             f"tokens + {format_size(GPU_WORKSPACE)} workspace), has {format_size(hw.gpu_mem)}; at most "
             f"{max_batch} tokens/step fit")
+    problems += activation_problems(placed, po.activation_offload, gpu, nvme_tier)
     if not gpu and device_budget + cpu_budget + act_total > hw.cpu_mem:
         problems.append(
             f"RAM needs {format_size(device_budget + cpu_budget + act_total)} (device budget "
@@ -433,7 +470,8 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     elif gpu:
         reason = (f"fits: device budget {format_size(device_budget)} + {format_size(act_total)} activations "
                   f"on the GPU of {format_size(hw.gpu_mem)}, CPU budget {format_size(cpu_budget)}, "
-                  f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}")
+                  f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}"
+                  + placed.describe(k))
     else:
         reason = (f"fits: budgets {format_size(device_budget)} (device) + {format_size(cpu_budget)} (CPU) "
                   f"+ {format_size(act_total)} activations in RAM of {format_size(hw.cpu_mem)}, "
@@ -453,6 +491,8 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "serial_step_s": sum(terms.values()),
         "compute_and_adam_share_cores": not gpu,
         "optimizer_overlaps_backward": not po.defer_step,
+        "micro_batches": k, "micro_batch_tokens": micro,
+        "activation_offload": po.activation_offload, "activation_placement": dataclasses.asdict(placed),
     }
     return Plan(model=label, params=n, tiers=tiers, nvme_bytes_needed=nvme_needed,
                 bytes_per_step=traffic, step_terms_s=terms, predicted_step_s=predicted,

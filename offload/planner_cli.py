@@ -20,7 +20,8 @@ from pathlib import Path
 
 from .config import read_json_object
 from .errors import ConfigError, OffloadError
-from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size, plan
+from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size
+from .planner_choice import choice_json, choose, format_choice
 from .tiers.nvme import nvme_capacity
 from .units import parse_bytes
 
@@ -60,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "the RAM the device did not take)")
     a("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     a("--defer-step", action="store_true", help="hold all gradients until backward ends (grad clipping)")
+    a("--activation-offload", default="auto", choices=("auto", "none", "cpu", "nvme"),
+      help="where checkpointed layers' inputs wait for backward (default auto: the planner picks the "
+           "fastest way that fits, also weighing gradient accumulation)")
+    a("--micro-batches", type=int, help="gradient accumulation: passes per step (default: the planner picks)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
 
 
@@ -74,25 +79,32 @@ def run(args: argparse.Namespace) -> int:
         device_budget=_size(args.device_budget, "--device-budget"),
         cpu_budget=_size(args.cpu_budget, "--cpu-budget"),
         defer_step=args.defer_step,
+        **_fixed_way(args),
     )
     described = describe_models(args)
+    modes = None if args.activation_offload == "auto" else [args.activation_offload]
+    micro = None if args.micro_batches is None else [args.micro_batches]
     if described:
-        results = [plan(d.shape, hardware, policy, name=d.name, params=d.params) for d in described]
+        choices = [choose(d.shape, hardware, policy, modes=modes, micro_batches=micro, name=d.name, params=d.params)
+                   for d in described]
     else:
-        results = [plan(args.model, hardware, policy)]
-    for result in results[:-1]:         # the full fine-tune first, then the LoRA one
+        choices = [choose(args.model, hardware, policy, modes=modes, micro_batches=micro)]
+    for earlier in choices[:-1]:        # the full fine-tune first, then the LoRA one
         if args.json != "-":
-            print(format_plan(result, sources))
+            print(format_plan(earlier.best or earlier.given, sources))
             print()
-    result = results[-1]
+    choice = choices[-1]
+    result = choice.best or choice.given
     data = result.to_json_dict()
     data["hardware_sources"] = sources
+    data["ways"] = choice_json(choice)
     if args.json == "-":
         print(json.dumps(data, indent=2))
     else:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         print(format_plan(result, sources))
+        print(format_choice(choice))
         if args.json:
             try:
                 Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
@@ -128,6 +140,16 @@ def model_shape(args: argparse.Namespace):
     """The preset name, or a directory's LLaMA-shaped summary (for the compute probe)."""
     described = describe_models(args)
     return described[0].shape if described else args.model
+
+
+def _fixed_way(args: argparse.Namespace) -> dict:
+    """The policy fields the user fixed (the rest the planner chooses)."""
+    out = {}
+    if args.micro_batches is not None:
+        out["micro_batches"] = _positive_int(args.micro_batches, "--micro-batches")
+    if args.activation_offload != "auto":
+        out["activation_offload"] = args.activation_offload
+    return out
 
 
 # ------------------------------------------------------------------ figures
@@ -415,6 +437,15 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s" if s < 100 else f"{s:.0f} s"
 
 
+def _way_text(po: dict, b: dict) -> str:
+    out = ""
+    if po.get("activation_offload", "none") != "none":
+        out += f", activations parked in {'RAM' if po['activation_offload'] == 'cpu' else 'RAM + NVMe'}"
+    if po.get("micro_batches", 1) > 1:
+        out += f", {po['micro_batches']} micro-batches of {b['micro_batch_tokens']} tokens"
+    return out
+
+
 def format_plan(p: Plan, sources: dict | None = None) -> str:
     """The plan as a readable table (what ``offload plan`` prints)."""
     sources = sources or {}
@@ -425,7 +456,8 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
              f"{po['dtype']}, {po['batch_tokens']} tokens/step, seq {b['seq_len']}, "
              f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}"
              + (f"; {b['trainable_params']:,} trainable ({b['trainable_chunks']} of {b['num_chunks']} chunks "
-                "carry gradient, master and moments)" if b.get("trainable_params", p.params) != p.params else ""),
+                "carry gradient, master and moments)" if b.get("trainable_params", p.params) != p.params else "")
+             + _way_text(po, b),
              "(sizes in decimal units: 1 GB = 1e9 bytes; on the command line 8T = 8 TiB = 8.80 TB)",
              "", "hardware"]
     rows = [("GPU memory", format_size(hw["gpu_mem"]) if gpu else "none (CPU-only)", "gpu_mem"),
@@ -480,6 +512,9 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
         how = "compute + Adam + NVMe: without a GPU the same cores run all three and I/O waits stall compute"
     elif po["defer_step"]:
         how = "max(compute, PCIe, NVMe) + max(Adam, its NVMe): the step is deferred to after backward"
+    elif po.get("micro_batches", 1) > 1:
+        how = (f"{po['micro_batches'] - 1} micro-batches at max(compute, PCIe, NVMe) each, then the last "
+               "beside the optimizer's NVMe traffic and Adam, which overlap only its backward")
     else:
         how = "max of the terms: Adam overlaps backward"
     lines += ["", f"predicted step time: {_seconds(p.predicted_step_s)} ({how}); "
@@ -493,7 +528,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     else:
         fit = "" if p.max_batch_tokens is None or p.gpu_bound_batch_tokens <= p.max_batch_tokens else (
             f"; but {'the GPU' if gpu else 'RAM'} holds activations for at most "
-            f"{p.max_batch_tokens} tokens/step (gradient accumulation would be needed; not modelled)")
+            f"{p.max_batch_tokens} tokens/step this way (see the other ways below)")
         lines.append(f"bottleneck: {p.bottleneck}; compute becomes the bottleneck from "
                      f"{p.gpu_bound_batch_tokens} tokens/step{fit}")
     lines.append(("verdict: " if p.fits else "verdict: REFUSED: ") + p.reason)

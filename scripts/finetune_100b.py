@@ -155,7 +155,8 @@ def load_dataset(args, vocab_size: int):
 def make_plan(args, cfg, config, described=None):
     """Run the planner on this box (it measures NVMe, Adam and compute); returns (plan, sources)."""
     from offload import planner_cli
-    from offload.planner import Policy, plan
+    from offload.planner import Policy
+    from offload.planner_choice import choose
 
     parser = argparse.ArgumentParser()
     planner_cli.add_arguments(parser)
@@ -170,9 +171,13 @@ def make_plan(args, cfg, config, described=None):
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
                     cpu_budget=None if config.cpu_budget == "auto" else int(config.cpu_budget),
                     defer_step=args.max_grad_norm is not None)
+    # One pass per step here: the planner chooses where activations wait (and the device budget)
     if described is not None:
-        return plan(described.shape, hardware, policy, name=described.name, params=described.params), sources, notes
-    return plan(cfg, hardware, policy, name=f"llama-{args.preset}"), sources, notes
+        choice = choose(described.shape, hardware, policy, micro_batches=[1], name=described.name,
+                        params=described.params)
+    else:
+        choice = choose(cfg, hardware, policy, micro_batches=[1], name=f"llama-{args.preset}")
+    return choice.best or choice.given, sources, notes
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -266,6 +271,9 @@ def main(argv=None) -> int:
             print(f"finetune: refused by the planner: {result.reason}", file=sys.stderr)
             return 1
         predicted = result.predicted_step_s
+        chosen = result.policy      # the plan's activation placement, and the device budget it assumed
+        config = config.replace(activation_offload=chosen["activation_offload"],
+                                device_budget=chosen["device_budget"] or config.device_budget)
     if args.dry_run:
         return 0
 

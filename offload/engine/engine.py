@@ -32,6 +32,7 @@ from ..tiers.gpu_timeline import GpuTimeline
 from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
 from .gradients import GradCapture
+from .activation_hooks import make_activation_store
 from .module_hooks import ModuleHooks
 from .params import DTYPES, ChunkedParams
 from .pipeline import StepPipeline
@@ -70,6 +71,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         # The engine moves the next-use clock itself (its prefetcher follows the trace).
         self.policy = make_policy(config.eviction, auto_advance=False)
         self.device_budget = device_budget
+        self.cpu_budget = cpu_budget
         aligned = config.nvme_paths is not None      # O_DIRECT reads and writes land in these buffers
         if self.device.type == "cpu" and config.merge_host_tiers:
             # Computing on the CPU, the device and CPU tiers would both be host memory: copying a
@@ -132,7 +134,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = 0.0
         self.fwd_started = time.perf_counter()
-        self.saved = SavedParameterViews(self.params, self.device)
+        self.activations = make_activation_store(self)
+        self.saved = SavedParameterViews(self.params, self.device, self.activations)
         self.last_stats: dict = {}
         self._closed = False
 
@@ -224,6 +227,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             "optimizer_wait_s": totals.get("optimizer_wait", 0.0),
             "retraces": self.prefetcher.retraces,
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
+            "activations": self.activations.take_stats() if self.activations is not None else None,
         }
         self.prefetcher.hits = self.prefetcher.misses = 0
         self.store.reset_counters()
@@ -245,6 +249,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             self.adam.drain()       # updates still queued from the last step: finish, or report their error
         finally:
             self.adam.close()
+            if self.activations is not None:
+                self.activations.close()
             nvme = self.store.tiers.get("nvme")
             if nvme is not None:
                 nvme.close(remove=not keep_files)

@@ -4,7 +4,8 @@ Autograd saves views of parameters (``weight.t()`` for a matmul) that point into
 and the tier's pool hands those buffers to other chunks once a chunk is evicted. So while the
 wrapped model's forward runs, a saved tensor that lives in an attached parameter chunk is stored
 as (chunk, offset, size, stride) and rebuilt from wherever the chunk is on the device when
-backward needs it — the activation-offload hook point DESIGN.md describes.
+backward needs it. Any other saved tensor goes on to the activation store, when there is one
+(``offload.activations``: it parks the ones ``activation_offload`` chooses off the device).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class SavedChunkView:
 class SavedParameterViews:
     """``enter()`` at the start of the model's forward, ``exit()`` at its end (or the next start)."""
 
-    def __init__(self, params: ChunkedParams, device: torch.device):
+    def __init__(self, params: ChunkedParams, device: torch.device, activations=None):
         self.params = params
         self.device = device
+        self.activations = activations
         self._hooks = None
 
     def enter(self) -> None:
@@ -43,6 +45,8 @@ class SavedParameterViews:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
+            if self.activations is not None:
+                self.activations.end_forward()
 
     def pack(self, t: torch.Tensor):
         if t.device != self.device or t.layout != torch.strided:
@@ -53,7 +57,8 @@ class SavedParameterViews:
             return t
         c = self.params.pinned_buffers.get(base)
         if c is None:
-            return t
+            acts = self.activations
+            return acts.pack(t) if acts is not None and acts.wants(t) else t
         if t.dtype != self.params.dtype:
             return t.clone()       # a reinterpreting view: keep a private copy
         offset = (t.data_ptr() - base) // t.element_size()
@@ -61,7 +66,7 @@ class SavedParameterViews:
 
     def unpack(self, packed):
         if not isinstance(packed, SavedChunkView):
-            return packed
+            return self.activations.unpack(packed) if self.activations is not None else packed
         if self.params.pins[packed.chunk] == 0:
             # Used outside the hooks' view: pinned until the backward ends (unpin_all there).
             self.params.pin(packed.chunk)

@@ -1,0 +1,16 @@
+"""Activation offload: tensors autograd saves for backward, parked off the compute device.
+
+``saved_tensors_hooks`` hand each saved tensor to ``ActivationStore.pack``; the ones chosen
+(``select``: checkpoint boundaries, optionally any saved tensor above a size) are copied into a
+budgeted area of CPU memory (``area``: pinned with CUDA, carved from one reused mapping),
+spilled to NVMe through the AIO engine when that area is full (``spill``), and brought back in
+reverse forward order ahead of the backward that needs them.
+"""
+
+from .area import ActivationArea
+from .select import checkpoint_boundary, offloadable
+from .spill import SpillSpace
+from .store import ActivationStore, SavedActivation
+
+__all__ = ["ActivationArea", "ActivationStore", "SavedActivation", "SpillSpace", "checkpoint_boundary",
+           "offloadable"]
