@@ -7,8 +7,9 @@ Units: bytes, seconds, parameters (elements); bandwidths in GB/s and compute in 
 decimal (1 GB/s = 1e9 bytes/s).
 
 * Chunks. Every kind of state is stored in chunks of one geometry (``offload.chunks.layout``):
-  the chunk size is the engine's "auto" choice, min(32 Mi elements, device_budget / 32 B,
-  cpu_budget / 48 B) but at least the largest parameter, and padding counts. Kinds, bytes per
+  the chunk size is the engine's "auto" choice, at most min(32 Mi elements, device_budget / 32 B,
+  cpu_budget / 48 B); a parameter larger than that (embedding, lm_head, a large matrix) gets a
+  chunk of its own size, and padding counts. Kinds, bytes per
   element: compute parameters ``e`` (2 for bf16/fp16, 4 for fp32), fp32 gradients 4, fp32 master 4
   (none for fp32 compute: the parameter is the master), ``exp_avg`` 4, ``exp_avg_sq`` 4 —
   18 B/param for bf16, 16 for fp32.
@@ -20,8 +21,9 @@ decimal (1 GB/s = 1e9 bytes/s).
   Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
   CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
 * Minimums: the engine's own (``tiers.budgets.min_device_bytes`` / ``min_cpu_bytes``): the device
-  holds 3 parameter and 3 fp32 gradient chunks at once (the tied embedding's and a module's that
-  may straddle two), the CPU one chunk of each kind for the optimizer (18 B x chunk in bf16).
+  holds the largest chunk and 2 bulk chunks, parameters and fp32 gradients, at once (the tied
+  embedding's and a module's that may straddle two), the CPU one chunk of each kind for the
+  optimizer (18 B x the largest chunk in bf16).
 * Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
   (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
   updates and the next one's prefetch), parameters first (read every step), then master,
@@ -239,16 +241,21 @@ def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None
     return device_budget, cpu_budget
 
 
-def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
-                   chunk_size: int | None = None) -> tuple[int, int]:
-    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
+def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
+                chunk_size: int | None = None) -> tuple[int, list[int]]:
+    """``(chunk_size, [elements of each chunk])`` the engine would lay out (``OffloadEngine.__init__``):
+    bulk chunks of ``chunk_size`` and one chunk of its own size per larger parameter."""
     numels = param_numels(cfg)
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget))
-    elif chunk_size < max(numels):
-        raise ConfigError("chunk_size", chunk_size,
-                          f"the largest parameter has {max(numels)} elements and must fit in one chunk")
-    return chunk_size, _pack(numels, chunk_size, PARAM_ALIGN)[-1][0] + 1
+    return chunk_size, _pack(numels, chunk_size, PARAM_ALIGN).sizes
+
+
+def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
+                   chunk_size: int | None = None) -> tuple[int, int]:
+    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
+    chunk_size, sizes = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size)
+    return chunk_size, len(sizes)
 
 
 def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
@@ -278,27 +285,30 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
     # ---- chunks: every kind has the same geometry; padding is stored like parameters
-    chunk, num_chunks = chunk_geometry(cfg, device_budget, cpu_budget, po.chunk_size)
-    elems = chunk * num_chunks
+    chunk, sizes = chunk_sizes(cfg, device_budget, cpu_budget, po.chunk_size)
+    num_chunks, largest = len(sizes), max(sizes)
+    elems = sum(sizes)
     per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
     total = {k: elems * b for k, b in per_elem.items()}
-    set_bytes = chunk * sum(per_elem.values())              # one chunk of every kind
+    set_bytes = largest * sum(per_elem.values())            # one (largest) chunk of every kind
     state_bytes = sum(total.values())
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
     layer_params = layer_param_count(cfg)
-    layer_chunks = min(num_chunks, -(-layer_params // chunk) + 1)
-    grads_window = min(total["grads"], layer_chunks * chunk * 4)
+    # A layer's chunks: whole bulk chunks, or (its matrices in chunks of their own) its parameters,
+    # plus one chunk it may straddle into.
+    layer_elems = min(-(-layer_params // chunk) * chunk, layer_params + chunk) + chunk
+    grads_window = min(total["grads"], layer_elems * 4)
     dev_params = min(total["params"], max(0, device_budget - grads_window))
     resident = dev_params == total["params"]
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
     acts = {k: v * po.batch_tokens for k, v in act_per_tok.items()}
     act_total = sum(acts.values())
-    device_min = min_device_bytes(chunk, e)
+    device_min = min_device_bytes(chunk, e, largest)
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
-    cpu_min = min_cpu_bytes(chunk, e)
+    cpu_min = min_cpu_bytes(largest, e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     lower["grads"] = total["grads"] if po.defer_step else 0   # else consumed by Adam as they arrive
@@ -381,13 +391,13 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     problems = []
     if device_budget < device_min:
         problems.append(
-            f"device budget {format_size(device_budget)} is below 3 parameter and 3 fp32 gradient chunks "
-            f"of {chunk:,} elements ({format_size(device_min)}): the device holds the tied embedding's "
-            f"chunks and a module's (which may straddle two) at once")
+            f"device budget {format_size(device_budget)} is below the largest chunk ({largest:,} elements) "
+            f"and 2 chunks of {chunk:,}, parameters and fp32 gradients ({format_size(device_min)}): the "
+            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once")
     if cpu_budget < cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
-            f"({format_size(cpu_min)}: {chunk:,} elements x {sum(per_elem.values())} B) that Adam needs at once")
+            f"({format_size(cpu_min)}: {largest:,} elements x {sum(per_elem.values())} B) that Adam needs at once")
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
         problems.append(
             f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "
@@ -424,6 +434,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     breakdown = {
         "seq_len": seq, "dtype_bytes": e, "device_budget": device_budget, "cpu_budget": cpu_budget,
         "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": elems - n,
+        "largest_chunk": largest, "oversized_chunks": sum(size > chunk for size in sizes),
         "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
         "params_resident_on_device": resident, "layer_params": layer_params,
         "state_bytes": state_bytes, "state_bytes_per_param": sum(per_elem.values()),
