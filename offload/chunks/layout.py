@@ -9,7 +9,8 @@ Two rules keep one kind of parameter from setting the cost of the others:
 
 * Frozen and trainable parameters never share a chunk: a frozen chunk needs no gradient, fp32
   master or moment chunks (LoRA: the base model costs only its parameters). Each class fills its
-  own open chunk, so chunks still follow the parameters' order.
+  own open chunk, so chunks still follow the parameters' order; each class's last chunk is cut
+  to what it holds.
 * A parameter larger than the chunk size (an embedding, an lm_head, a fused experts tensor)
   gets a chunk of its own size, so the chunk size is chosen
   for the bulk of the model and one embedding does not set the size of every chunk.
@@ -85,6 +86,10 @@ def _pack(numels: Sequence[int], chunk_size: int, align: int,
         placed.append((len(sizes), 0))
         sizes.append(chunk_size)
         classes.append(cls)
+    # The last chunk of each class is only as large as what it holds (LoRA's adapters fill a
+    # fraction of one chunk; every kind of their state would pay for the rest).
+    for c, used in open_chunk.values():
+        sizes[c] = max(CHUNK_QUANTUM, _align(used, CHUNK_QUANTUM))
     return Packing(placed, sizes, classes)
 
 

@@ -205,7 +205,9 @@ def test_the_tiny_run_the_engine_handles_fits():
     p = plan("tiny", hw, Policy(batch_tokens=2048, seq_len=256, device_budget=6 << 20, cpu_budget=8 << 20))
     assert p.fits, p.reason
     assert p.breakdown["chunk_size"] == 176128 and p.breakdown["num_chunks"] == 21   # as the engine lays it out
-    assert p.tiers["nvme"]["bytes"] > 0 and p.nvme_bytes_needed == 18 * 176128 * 21
+    # every chunk of every kind, the last one cut to what it holds
+    assert p.tiers["nvme"]["bytes"] > 0 and p.nvme_bytes_needed == 18 * (p.params + p.breakdown["padding_elements"])
+    assert p.nvme_bytes_needed < 18 * 176128 * 21
 
 
 def test_cpu_only_refusals_name_ram_and_cpu_minimum():
