@@ -162,3 +162,59 @@ def test_mixtral_runs_with_chunks_smaller_than_its_expert_tensor(disk_tmp):
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
     model.offload_engine.close()
+
+
+def lora_wrapped(path, seed):
+    torch.manual_seed(seed)
+    model = lora(tiny_llama(hidden=128, inter=256, seed=seed))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    # 8192-element chunks: the 32768-element MLP matrices and the 16384-element embedding are oversized.
+    cfg = offload.OffloadConfig(device="cpu", dtype="bf16", device_budget="640KiB", cpu_budget="512KiB",
+                                nvme_paths=[str(path)], chunk_size=8192)
+    model = offload.wrap(model, cfg)
+    return model, offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def steps(model, opt, data):
+    out = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_and_safetensors_round_trip_frozen_and_oversized_chunks(disk_tmp):
+    (disk_tmp / "nvme").mkdir()
+    data = batches(4, seed=3)
+    model, opt = lora_wrapped(disk_tmp / "nvme", seed=0)
+    layout = model.offload_engine.layout
+    assert any(layout.oversized(c) for c in range(layout.num_chunks))
+    assert any(layout.oversized(c) and not layout.trainable[c] for c in range(layout.num_chunks))
+    steps(model, opt, data[:2])
+    offload.save_checkpoint(model, opt, disk_tmp / "ckpt", step=2)
+    offload.export_safetensors(model, disk_tmp / "st")
+    exported = {k: v.clone() for k, v in model.state_dict().items()}
+    later = steps(model, opt, data[2:])
+    final = {k: v.clone() for k, v in model.state_dict().items()}
+    model.offload_engine.close()
+
+    model2, opt2 = lora_wrapped(disk_tmp / "nvme", seed=5)          # other weights until loaded
+    offload.load_checkpoint(model2, opt2, disk_tmp / "ckpt")
+    assert steps(model2, opt2, data[2:]) == later
+    got = model2.state_dict()
+    for k, v in final.items():
+        assert torch.equal(got[k], v), k
+    model2.offload_engine.close()
+
+    model3, _ = lora_wrapped(disk_tmp / "nvme", seed=7)
+    offload.load_safetensors(model3, disk_tmp / "st")
+    got = model3.state_dict()
+    for k, v in exported.items():             # exported in the compute dtype (bf16)
+        assert torch.equal(got[k], v.to(torch.bfloat16).float()), k
+    model3.offload_engine.close()
