@@ -135,6 +135,10 @@ class Policy:
     """Elements per chunk; None: the engine's "auto" search."""
     defer_step: bool = False
     """Hold all gradients until backward ends (global-norm clipping, fp16 overflow checks)."""
+    lora_rank: int | None = None
+    """LoRA rank (peft's ``get_peft_model``): the base model is frozen and only the adapters train."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Projections that get LoRA adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_tokens")
@@ -146,6 +150,13 @@ class Policy:
         _positive(self, "chunk_size", optional=True)
         if self.chunk_size is not None and self.chunk_size % CHUNK_QUANTUM:
             raise ConfigError("chunk_size", self.chunk_size, f"must be a multiple of {CHUNK_QUANTUM}")
+        if self.lora_rank is not None:
+            if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                raise ConfigError("lora_rank", self.lora_rank, "expected a whole number >= 1")
+            bad = [t for t in self.lora_targets if t not in PROJECTIONS]
+            if bad or not self.lora_targets:
+                raise ConfigError("lora_targets", ",".join(bad) or "(none)",
+                                  f"expected some of {', '.join(PROJECTIONS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +232,36 @@ def activation_bytes_per_token(cfg: LlamaConfig, elem: int, checkpointing: bool)
     return {"layer_inputs": inputs, "layer_working": working, "logits": cfg.vocab_size * (elem + 8)}
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def param_layout(cfg: LlamaConfig, lora_rank: int | None = None,
+                 lora_targets: tuple[str, ...] = ("q_proj", "v_proj")) -> tuple[list[int], list[bool]]:
+    """Elements and trainability of each parameter in the order the engine packs them. With
+    ``lora_rank`` the model is peft's LoRA model: everything of the base model is frozen, and each
+    targeted projection (out x in) is followed by its adapters A (r x in) and B (out x r)."""
+    h, kv, i, v = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
+    shapes = dict(zip(PROJECTIONS, [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]))
+    base = lora_rank is None
+    numels, trainable = [v * h], [base]
+    for _ in range(cfg.num_layers):
+        for name in PROJECTIONS:
+            out, inp = shapes[name]
+            numels.append(out * inp)
+            trainable.append(base)
+            if not base and name in lora_targets:
+                numels += [lora_rank * inp, out * lora_rank]
+                trainable += [True, True]
+        numels += [h, h]
+        trainable += [base, base]
+    numels.append(h)
+    trainable.append(base)
+    if not cfg.tie_embeddings:
+        numels.append(v * h)
+        trainable.append(base)
+    return numels, trainable
+
+
 def param_numels(cfg: LlamaConfig) -> list[int]:
     """Elements of each parameter of ``LlamaForCausalLM(cfg)`` in ``named_parameters()`` order (the
     order the engine packs them into chunks; a tied lm_head is the embedding)."""
@@ -241,20 +282,24 @@ def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None
     return device_budget, cpu_budget
 
 
-def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
-                chunk_size: int | None = None) -> tuple[int, list[int]]:
-    """``(chunk_size, [elements of each chunk])`` the engine would lay out (``OffloadEngine.__init__``):
-    bulk chunks of ``chunk_size`` and one chunk of its own size per larger parameter."""
-    numels = param_numels(cfg)
+def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_size: int | None = None,
+                lora_rank: int | None = None, lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                ) -> tuple[int, list[int], list[bool]]:
+    """``(chunk_size, [elements of each chunk], [whether it is trainable])`` the engine would lay out
+    (``OffloadEngine.__init__``): bulk chunks of ``chunk_size``, one chunk of its own size per larger
+    parameter, frozen and trainable parameters in separate chunks."""
+    numels, trainable = param_layout(cfg, lora_rank, lora_targets)
     if chunk_size is None:
-        chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget))
-    return chunk_size, _pack(numels, chunk_size, PARAM_ALIGN).sizes
+        chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
+                                       trainable=trainable)
+    packing = _pack(numels, chunk_size, PARAM_ALIGN, trainable)
+    return chunk_size, packing.sizes, packing.trainable
 
 
 def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
                    chunk_size: int | None = None) -> tuple[int, int]:
     """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
-    chunk_size, sizes = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size)
+    chunk_size, sizes, _ = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size)
     return chunk_size, len(sizes)
 
 
@@ -285,12 +330,19 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
     # ---- chunks: every kind has the same geometry; padding is stored like parameters
-    chunk, sizes = chunk_sizes(cfg, device_budget, cpu_budget, po.chunk_size)
+    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, po.chunk_size,
+                                                po.lora_rank, po.lora_targets)
     num_chunks, largest = len(sizes), max(sizes)
     elems = sum(sizes)
+    # Frozen chunks (LoRA's base model) hold parameters only: no gradient, master or moments.
+    trained = sum(size for size, t in zip(sizes, chunk_trainable) if t)
+    largest_trained = max((size for size, t in zip(sizes, chunk_trainable) if t), default=0)
+    numels, trainable = param_layout(cfg, po.lora_rank, po.lora_targets)
+    n_trained = sum(k for k, t in zip(numels, trainable) if t)
+    n = sum(numels)
     per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
-    total = {k: elems * b for k, b in per_elem.items()}
-    set_bytes = largest * sum(per_elem.values())            # one (largest) chunk of every kind
+    total = {k: (elems if k == "params" else trained) * b for k, b in per_elem.items()}
+    set_bytes = largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
     state_bytes = sum(total.values())
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
@@ -308,7 +360,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
-    cpu_min = min_cpu_bytes(largest, e)
+    cpu_min = max(min_cpu_bytes(largest_trained, e), largest * e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     lower["grads"] = total["grads"] if po.defer_step else 0   # else consumed by Adam as they arrive
@@ -323,7 +375,9 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     nvme_needed = state_bytes if nvme_tier else 0          # a slot for every chunk of every kind
 
     # ---- traffic per step
-    h2d_fwd = total["params"]                                  # rewritten on the CPU by the update
+    # Rewritten on the CPU by the update, so even resident ones are fetched again; frozen ones the
+    # device kept are not.
+    h2d_fwd = total["params"] - min(dev_params, (elems - trained) * e)
     h2d_bwd = total["params"] - dev_params                     # what the device could not keep
     d2h = total["grads"]
     pn = spill["params"]
@@ -332,15 +386,21 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     opt_read = opt_nvme + (0 if master_b else pn)               # fp32: Adam reads the parameter as master
     traffic = {
         "nvme_read": int(opt_read + pn + refetch),
-        "nvme_write": int(opt_nvme + pn),
+        "nvme_write": int(opt_nvme + pn * trained / elems),     # frozen parameters are never rewritten
         "pcie_h2d": h2d_fwd + h2d_bwd if gpu else 0,
         "pcie_d2h": d2h if gpu else 0,
     }
 
     # ---- time per step
-    per_tok = flops_per_token(cfg, seq)
+    full_tok = flops_per_token(cfg, seq)
+    per_tok = full_tok
+    if po.lora_rank is not None:
+        # Frozen weights get no weight gradient: 2 of the 6 FLOPs per weight and token go (the
+        # adapters' own FLOPs are a rounding error beside them).
+        per_tok -= 2.0 * (cfg.num_layers * (layer_param_count(cfg) - 2 * cfg.hidden_size)
+                          + cfg.vocab_size * cfg.hidden_size)
     if po.activation_checkpointing:
-        per_tok *= 4.0 / 3.0             # one more forward, and the forward is 1/3 of fwd + bwd
+        per_tok += full_tok / 3.0        # one more forward, and the forward is 1/3 of fwd + bwd
     rate = hw.compute_tflops * 1e12
     compute_per_tok = per_tok / rate
     nvme_s = opt_nvme_s = 0.0
@@ -356,7 +416,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "compute": po.batch_tokens * compute_per_tok,
         "pcie": max(traffic["pcie_h2d"], traffic["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
-        "adam": n / hw.adam_params_per_s,
+        "adam": n_trained / hw.adam_params_per_s,
     }
     if gpu and not po.defer_step:
         predicted = max(terms.values())
@@ -438,6 +498,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
         "params_resident_on_device": resident, "layer_params": layer_params,
         "state_bytes": state_bytes, "state_bytes_per_param": sum(per_elem.values()),
+        "trainable_params": n_trained, "frozen_chunks": num_chunks - sum(chunk_trainable),
         "state_by_kind": total, "activations": acts,
         "device_cpu_copy_bytes": {"h2d": h2d_fwd + h2d_bwd, "d2h": d2h},
         "optimizer_nvme_bytes": opt_nvme,

@@ -368,3 +368,23 @@ def test_cli_reads_saved_bench_files(capsys, tmp_path, monkeypatch):
     assert main(argv) == 0
     hw = json.loads(capsys.readouterr().out)["hardware"]
     assert (hw["nvme_read_gbps"], hw["nvme_write_gbps"], hw["adam_params_per_s"]) == (1.2, 2.0, 1.7e9)
+
+
+def test_lora_plan_costs_frozen_weights_their_parameters_only():
+    full = plan("100b", box())
+    lora = plan("100b", box(), Policy(lora_rank=16))
+    b = lora.breakdown
+    # q_proj and v_proj of 90 layers: A (16 x 10240) and B (out x 16) each.
+    assert b["trainable_params"] == 90 * 16 * ((10240 + 10240) + (10240 + 1024))
+    assert b["frozen_chunks"] > 0 and lora.params == full.params + b["trainable_params"]
+    k = b["state_by_kind"]
+    assert k["params"] == 2 * (lora.params + b["padding_elements"])         # every chunk's parameters
+    assert k["exp_avg"] == k["master"] == 4 * (k["grads"] // 4) < 4 * 10 ** 8   # adapters' chunks only
+    assert lora.nvme_bytes_needed < full.nvme_bytes_needed / 7
+    assert lora.step_terms_s["adam"] < full.step_terms_s["adam"] / 1000
+    assert lora.step_terms_s["compute"] < full.step_terms_s["compute"]      # no weight gradients
+    assert lora.bytes_per_step["pcie_d2h"] < full.bytes_per_step["pcie_d2h"] / 1000
+    with pytest.raises(ConfigError, match="lora_targets"):
+        Policy(lora_rank=8, lora_targets=("qkv",))
+    with pytest.raises(ConfigError, match="lora_rank"):
+        Policy(lora_rank=0)
