@@ -143,8 +143,10 @@ def test_mixtral_runs_with_chunks_smaller_than_its_expert_tensor(disk_tmp):
     layout = model.offload_engine.layout
     own = layout.slot("model.layers.0.mlp.experts.gate_up_proj").chunk
     assert layout.chunk_size == chunk and layout.chunk_numel(own) == experts and layout.oversized(own)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    # lr 1e-3: Adam turns the last-ulp differences of near-zero gradients (a token or expert a batch
+    # barely touches) into visible ones in proportion to lr; plain torch runs are bit-identical.
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for ids in batches(4) * 2:
         l_ref = ref(input_ids=ids, labels=ids).loss
