@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import grad_clip
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .errors import ConfigError, OffloadError
@@ -96,8 +97,10 @@ class AdamW(CPUAdamW):
     """AdamW for offloaded models (and, for any other CPU parameters, ``CPUAdamW``).
 
     Same arguments as ``torch.optim.AdamW`` plus ``max_grad_norm``: clip the global gradient
-    norm to it every step (the update then waits for backward to end; say it here rather than
-    calling ``torch.nn.utils.clip_grad_norm_``, which cannot see offloaded gradients).
+    norm to it every step (the update then waits for backward to end). Calling
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), n)`` between backward and ``step()``
+    (as HF Trainer and accelerate do) clips the same way (see ``offload.grad_clip``): the first
+    step's update waits for it, and when that step was clipped so do the later ones.
     """
 
     _decoupled_default = True
@@ -107,8 +110,13 @@ class AdamW(CPUAdamW):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ConfigError("max_grad_norm", max_grad_norm, "must be a positive number or None")
         self.max_grad_norm = max_grad_norm
-        self.clip_this_step: float | None = None     # set by clip_grad_norm_, used by the next step
+        # (max_norm, global norm) set by a clip_grad_norm_ call, used by the next step.
+        self.clip_this_step: tuple[float, float] | None = None
         self.last_grad_norm: float | None = None
+        # Whether clip_grad_norm_ comes between backward and step(): unknown (None) until the
+        # first step has shown it; until then, and then if so, updates wait for step().
+        self.clips_expected: bool | None = None
+        grad_clip.install()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, **kwargs)
         self._engines: list[OffloadEngine] = []
@@ -123,11 +131,18 @@ class AdamW(CPUAdamW):
     def _updated_elsewhere(self, p) -> bool:
         return engine_of(p) is not None
 
+    def defers_update(self) -> bool:
+        """Whether this window's updates must wait for ``step()``: a global norm will be applied
+        (``max_grad_norm``, or a ``clip_grad_norm_`` call expected between backward and step)."""
+        return self.max_grad_norm is not None or self.clips_expected is not False
+
     def _before_step(self) -> None:
         try:
             for e in self._engines:
                 e.step()
         finally:
+            if self.clips_expected is None and any(e.step_count for e in self._engines):
+                self.clips_expected = self.clip_this_step is not None
             self.clip_this_step = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -142,12 +157,7 @@ class AdamW(CPUAdamW):
         the update may already have run during backward: pass ``max_grad_norm`` to the
         constructor instead, which keeps the update waiting for the norm every step.
         """
-        if any(e.updated_chunks for e in self._engines):
-            raise OffloadError("clip_grad_norm_ came after the update already ran during backward; "
-                               "pass max_grad_norm=... to offload.AdamW(...) instead")
-        self.clip_this_step = float(max_norm)
-        norms = [e.grad_norm() for e in self._engines]
-        return torch.tensor(sum(n * n for n in norms) ** 0.5, device="cpu")
+        return grad_clip.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], max_norm)
 
     # ---- state dicts interchangeable with torch.optim.AdamW ----------------------------------
     def _indexed(self):

@@ -443,14 +443,17 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
     kinds = {}
     items: list[tuple[str, int]] = []
     for kind in SAVED_KINDS:
-        if (kind, 0) not in store.records:
+        # Frozen chunks have no master or optimizer state; an oversized parameter's chunk is
+        # larger than the bulk ``chunk_bytes`` (its entry then says its own ``nbytes``).
+        recs = {c: store.records[(kind, c)] for c in range(layout.num_chunks) if (kind, c) in store.records}
+        if not recs:
             continue
-        rec0 = store.records[(kind, 0)]
-        kinds[kind] = {"file": f"{kind}.bin", "dtype": _DTYPE_NAMES[rec0.dtype], "chunk_bytes": rec0.nbytes,
+        rec0 = next(iter(recs.values()))
+        kinds[kind] = {"file": f"{kind}.bin", "dtype": _DTYPE_NAMES[rec0.dtype],
+                       "chunk_bytes": layout.chunk_size * rec0.dtype.itemsize,
                        "chunks": [None] * layout.num_chunks}
-        items += [(kind, c) for c in range(layout.num_chunks)
-                  if store.records[(kind, c)].state is not ChunkState.FREE]
-    bufs = store.staging_buffers(max((store.staging_bytes((kind, 0)) for kind in kinds), default=0))
+        items += [(kind, c) for c, rec in recs.items() if rec.state is not ChunkState.FREE]
+    bufs = store.staging_buffers(max((store.largest_bytes(kind) for kind in kinds), default=0))
     writers: dict[str, _KindWriter] = {}
 
     def fetch(i):
@@ -461,6 +464,8 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
         kind, c = items[i]
         data, crc = result
         kinds[kind]["chunks"][c] = {"offset": writers[kind].append(data), algorithm: crc}
+        if data.numel() * data.element_size() != kinds[kind]["chunk_bytes"]:
+            kinds[kind]["chunks"][c]["nbytes"] = data.numel() * data.element_size()
 
     try:
         for kind, info in kinds.items():     # inside the try: a failed open closes the others
@@ -600,28 +605,41 @@ def _check_compatible(engine, manifest: dict, ckpt: Path) -> None:
                            f"{len(engine.adam.steps)} parameters")
     store = engine.store
     for kind, info in manifest["kinds"].items():
-        rec = store.records.get((kind, 0))
-        if rec is None:
+        recs = {c: r for (k, c), r in store.records.items() if k == kind}
+        if not recs:
             raise ConfigError("kind", kind, f"the checkpoint {ckpt} has {kind!r} chunks this model does not")
-        if _DTYPES.get(info["dtype"]) != rec.dtype or info["chunk_bytes"] != rec.nbytes:
+        rec = next(iter(recs.values()))
+        bulk = engine.layout.chunk_size * rec.dtype.itemsize
+        if _DTYPES.get(info["dtype"]) != rec.dtype or info["chunk_bytes"] != bulk:
             raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info['chunk_bytes']} bytes in the "
-                                            f"checkpoint {ckpt}, {rec.dtype} of {rec.nbytes} in the model")
+                                            f"checkpoint {ckpt}, {rec.dtype} of {bulk} in the model")
+        for c, entry in enumerate(info["chunks"]):
+            if entry is not None and (c not in recs or _entry_bytes(info, entry) != recs[c].nbytes):
+                raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
+                                                "model's (a different chunk layout or set of frozen parameters)")
         if len(info["chunks"]) != engine.layout.num_chunks:
             raise OffloadError(f"{ckpt / MANIFEST}: {len(info['chunks'])} {kind} chunk entries, expected "
                                f"{engine.layout.num_chunks}")
         path = ckpt / info["file"]
         stored = sum(1 for e in info["chunks"] if e is not None)
+        expected = sum(_entry_bytes(info, e) for e in info["chunks"] if e is not None)
         try:
             size = path.stat().st_size
         except OSError as exc:
             raise OffloadError(f"checkpoint file {path} is missing: {exc}") from exc
-        if size != stored * info["chunk_bytes"]:
-            raise ChecksumError(str(path), size, stored * info["chunk_bytes"],
+        if size != expected:
+            raise ChecksumError(str(path), size, expected,
                                 f"file holds {size} bytes, the manifest says {stored} chunks of "
-                                f"{info['chunk_bytes']} bytes (truncated or overwritten)")
+                                f"{expected} bytes in all (truncated or overwritten)")
+    registered = {k for k, _ in store.records}
     for kind in SAVED_KINDS:
-        if (kind, 0) in store.records and kind not in manifest["kinds"]:
+        if kind in registered and kind not in manifest["kinds"]:
             raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
+
+
+def _entry_bytes(info: dict, entry: dict) -> int:
+    """Bytes of one saved chunk: the kind's ``chunk_bytes``, or its own for an oversized chunk."""
+    return int(entry.get("nbytes", info["chunk_bytes"]))
 
 
 def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
@@ -630,18 +648,19 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
     for kind, info in manifest["kinds"].items():
         for c, entry in enumerate(info["chunks"]):
             if entry is None:
-                if store.records[(kind, c)].state is not ChunkState.FREE:
+                rec = store.records.get((kind, c))
+                if rec is not None and rec.state is not ChunkState.FREE:
                     store.release_storage((kind, c))
             else:
                 items.append((kind, c, entry))
-    biggest = max((info["chunk_bytes"] for info in manifest["kinds"].values()), default=0)
+    biggest = max((_entry_bytes(manifest["kinds"][k], e) for k, _, e in items), default=0)
     bufs = [torch.zeros(biggest, dtype=torch.uint8, device="cpu") for _ in range(2)]
     files = {}
 
     def fetch(i):
         kind, c, entry = items[i]
         info = manifest["kinds"][kind]
-        path, nbytes = ckpt / info["file"], info["chunk_bytes"]
+        path, nbytes = ckpt / info["file"], _entry_bytes(info, entry)
         if kind not in files:
             files[kind] = open(path, "rb", buffering=0)
         f = files[kind]

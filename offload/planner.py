@@ -7,8 +7,9 @@ Units: bytes, seconds, parameters (elements); bandwidths in GB/s and compute in 
 decimal (1 GB/s = 1e9 bytes/s).
 
 * Chunks. Every kind of state is stored in chunks of one geometry (``offload.chunks.layout``):
-  the chunk size is the engine's "auto" choice, min(32 Mi elements, device_budget / 32 B,
-  cpu_budget / 48 B) but at least the largest parameter, and padding counts. Kinds, bytes per
+  the chunk size is the engine's "auto" choice, at most min(32 Mi elements, device_budget / 32 B,
+  cpu_budget / 48 B); a parameter larger than that (embedding, lm_head, a large matrix) gets a
+  chunk of its own size, and padding counts. Kinds, bytes per
   element: compute parameters ``e`` (2 for bf16/fp16, 4 for fp32), fp32 gradients 4, fp32 master 4
   (none for fp32 compute: the parameter is the master), ``exp_avg`` 4, ``exp_avg_sq`` 4 —
   18 B/param for bf16, 16 for fp32.
@@ -20,8 +21,9 @@ decimal (1 GB/s = 1e9 bytes/s).
   Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
   CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
 * Minimums: the engine's own (``tiers.budgets.min_device_bytes`` / ``min_cpu_bytes``): the device
-  holds 3 parameter and 3 fp32 gradient chunks at once (the tied embedding's and a module's that
-  may straddle two), the CPU one chunk of each kind for the optimizer (18 B x chunk in bf16).
+  holds the largest chunk and 2 bulk chunks, parameters and fp32 gradients, at once (the tied
+  embedding's and a module's that may straddle two), the CPU one chunk of each kind for the
+  optimizer (18 B x the largest chunk in bf16).
 * Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
   (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
   updates and the next one's prefetch), parameters first (read every step), then master,
@@ -53,7 +55,7 @@ from typing import Union
 from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, _pack, auto_max_chunk, search_chunk_size
 from .errors import ConfigError
 from .planner_activations import activation_problems, area_budget, place_activations
-from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count, param_count
+from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
 from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
                            min_device_bytes)
 
@@ -141,6 +143,10 @@ class Policy:
     activation_offload: str = "none"
     """Where checkpointed layers' inputs wait for backward: "none" (GPU), "cpu" (the pinned
     activation area) or "nvme" (that area, spilling the rest); needs activation checkpointing."""
+    lora_rank: int | None = None
+    """LoRA rank (peft's ``get_peft_model``): the base model is frozen and only the adapters train."""
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    """Projections that get LoRA adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_tokens")
@@ -162,6 +168,13 @@ class Policy:
         _positive(self, "chunk_size", optional=True)
         if self.chunk_size is not None and self.chunk_size % CHUNK_QUANTUM:
             raise ConfigError("chunk_size", self.chunk_size, f"must be a multiple of {CHUNK_QUANTUM}")
+        if self.lora_rank is not None:
+            if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                raise ConfigError("lora_rank", self.lora_rank, "expected a whole number >= 1")
+            bad = [t for t in self.lora_targets if t not in PROJECTIONS]
+            if bad or not self.lora_targets:
+                raise ConfigError("lora_targets", ",".join(bad) or "(none)",
+                                  f"expected some of {', '.join(PROJECTIONS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +250,36 @@ def activation_bytes_per_token(cfg: LlamaConfig, elem: int, checkpointing: bool)
     return {"layer_inputs": inputs, "layer_working": working, "logits": cfg.vocab_size * (elem + 8)}
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def param_layout(cfg: LlamaConfig, lora_rank: int | None = None,
+                 lora_targets: tuple[str, ...] = ("q_proj", "v_proj")) -> tuple[list[int], list[bool]]:
+    """Elements and trainability of each parameter in the order the engine packs them. With
+    ``lora_rank`` the model is peft's LoRA model: everything of the base model is frozen, and each
+    targeted projection (out x in) is followed by its adapters A (r x in) and B (out x r)."""
+    h, kv, i, v = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size, cfg.vocab_size
+    shapes = dict(zip(PROJECTIONS, [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]))
+    base = lora_rank is None
+    numels, trainable = [v * h], [base]
+    for _ in range(cfg.num_layers):
+        for name in PROJECTIONS:
+            out, inp = shapes[name]
+            numels.append(out * inp)
+            trainable.append(base)
+            if not base and name in lora_targets:
+                numels += [lora_rank * inp, out * lora_rank]
+                trainable += [True, True]
+        numels += [h, h]
+        trainable += [base, base]
+    numels.append(h)
+    trainable.append(base)
+    if not cfg.tie_embeddings:
+        numels.append(v * h)
+        trainable.append(base)
+    return numels, trainable
+
+
 def param_numels(cfg: LlamaConfig) -> list[int]:
     """Elements of each parameter of ``LlamaForCausalLM(cfg)`` in ``named_parameters()`` order (the
     order the engine packs them into chunks; a tied lm_head is the embedding)."""
@@ -257,17 +300,25 @@ def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None
     return device_budget, cpu_budget
 
 
-def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
-                   chunk_size: int | None = None, numels: list[int] | None = None) -> tuple[int, int]:
-    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``); ``numels``:
-    the parameters' sizes when they are not ``LlamaForCausalLM(cfg)``'s (a Hugging Face model)."""
-    numels = numels or param_numels(cfg)
+def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_size: int | None = None,
+                lora_rank: int | None = None, lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
+                layout: tuple[list[int], list[bool]] | None = None) -> tuple[int, list[int], list[bool]]:
+    """``(chunk_size, [elements of each chunk], [whether it is trainable])`` the engine would lay out
+    (``OffloadEngine.__init__``): bulk chunks of ``chunk_size``, one chunk of its own size per larger
+    parameter, frozen and trainable parameters in separate chunks."""
+    numels, trainable = layout or param_layout(cfg, lora_rank, lora_targets)
     if chunk_size is None:
-        chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget))
-    elif chunk_size < max(numels):
-        raise ConfigError("chunk_size", chunk_size,
-                          f"the largest parameter has {max(numels)} elements and must fit in one chunk")
-    return chunk_size, _pack(numels, chunk_size, PARAM_ALIGN)[-1][0] + 1
+        chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
+                                       trainable=trainable)
+    packing = _pack(numels, chunk_size, PARAM_ALIGN, trainable)
+    return chunk_size, packing.sizes, packing.trainable
+
+
+def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
+                   chunk_size: int | None = None) -> tuple[int, int]:
+    """``(chunk_size, num_chunks)`` the engine would pick (``OffloadEngine.__init__``)."""
+    chunk_size, sizes, _ = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size)
+    return chunk_size, len(sizes)
 
 
 def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
@@ -293,11 +344,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     label, cfg = resolve_model(model)
     label = name or label
     hw, po = hardware, policy
-    numels = [k for k, _ in params] if params else param_numels(cfg)
-    trainable_numels = [k for k, t in params if t] if params else numels
-    frozen_numels = [k for k, t in params if not t] if params else []
-    n = sum(numels) if params else param_count(cfg)
-    n_trainable = sum(trainable_numels) if params else n
+    if params:
+        numels, trainable = [k for k, _ in params], [t for _, t in params]
+    else:
+        numels, trainable = param_layout(cfg, po.lora_rank, po.lora_targets)
+    n = sum(numels)
+    n_trained = sum(k for k, t in zip(numels, trainable) if t)
     e = DTYPE_BYTES[po.dtype]
     master_b = 4 if e < 4 else 0
     k = po.micro_batches
@@ -310,22 +362,24 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
     # ---- chunks: every kind has the same geometry; padding is stored like parameters
-    chunk, num_chunks = chunk_geometry(cfg, device_budget, cpu_budget, po.chunk_size, numels)
-    trainable_chunks = num_chunks
-    if frozen_numels:
-        trainable_chunks = _pack(trainable_numels, chunk, PARAM_ALIGN)[-1][0] + 1 if trainable_numels else 0
-        num_chunks = trainable_chunks + _pack(frozen_numels, chunk, PARAM_ALIGN)[-1][0] + 1
-    elems = chunk * num_chunks
-    trainable_elems = chunk * trainable_chunks
+    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, po.chunk_size,
+                                                layout=(numels, trainable))
+    num_chunks, largest = len(sizes), max(sizes)
+    elems = sum(sizes)
+    # Frozen chunks (LoRA's base model) hold parameters only: no gradient, master or moments.
+    trained = sum(size for size, t in zip(sizes, chunk_trainable) if t)
+    largest_trained = max((size for size, t in zip(sizes, chunk_trainable) if t), default=0)
     per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
-    total = {k: (elems if k == "params" else trainable_elems) * b for k, b in per_elem.items()}
-    set_bytes = chunk * sum(per_elem.values())              # one chunk of every kind
+    total = {k: (elems if k == "params" else trained) * b for k, b in per_elem.items()}
+    set_bytes = largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
     state_bytes = sum(total.values())
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
     layer_params = layer_param_count(cfg) if not params else max(1, (n - max(numels)) // max(cfg.num_layers, 1))
-    layer_chunks = min(num_chunks, -(-layer_params // chunk) + 1)
-    grads_window = min(total["grads"], layer_chunks * chunk * 4)
+    # A layer's chunks: whole bulk chunks, or (its matrices in chunks of their own) its parameters,
+    # plus one chunk it may straddle into.
+    layer_elems = min(-(-layer_params // chunk) * chunk, layer_params + chunk) + chunk
+    grads_window = min(total["grads"], layer_elems * 4)
     dev_params = min(total["params"], max(0, device_budget - grads_window))
     resident = dev_params == total["params"]
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
@@ -333,11 +387,11 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     placed = place_activations(cfg, e, po.activation_offload, micro, act_per_tok,
                                area_budget(hw, device_budget, cpu_budget))
     act_total = placed.device_bytes                 # on the GPU during one micro-batch
-    device_min = min_device_bytes(chunk, e)
+    device_min = min_device_bytes(chunk, e, largest)
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
-    cpu_min = min_cpu_bytes(chunk, e)
+    cpu_min = max(min_cpu_bytes(largest_trained, e), largest * e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     # consumed by Adam as they arrive, unless held whole: a deferred step, or accumulating micro-batches
@@ -355,7 +409,9 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     nvme_needed = state_bytes + placed.spill_bytes if nvme_tier else 0
 
     # ---- traffic per step
-    h2d_fwd = total["params"]                                  # rewritten on the CPU by the update
+    # Rewritten on the CPU by the update, so even resident ones are fetched again; frozen ones the
+    # device kept are not.
+    h2d_fwd = total["params"] - min(dev_params, (elems - trained) * e)
     h2d_bwd = total["params"] - dev_params                     # what the device could not keep
     d2h = total["grads"]
     pn = spill["params"]
@@ -370,17 +426,18 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     act_host, act_spill = placed.host_bytes * k, placed.spill_bytes * k
     traffic = {
         "nvme_read": int(opt_read + (pn + refetch) * k + grad_spill + act_spill),
-        "nvme_write": int(opt_nvme + pn + grad_spill + act_spill),
+        # frozen parameters are never rewritten
+        "nvme_write": int(opt_nvme + pn * trained / elems + grad_spill + act_spill),
         "pcie_h2d": h2d_params + d2h * (k - 1) + act_host if gpu else 0,
         "pcie_d2h": d2h * k + act_host if gpu else 0,
     }
 
     # ---- time per step
-    per_tok = flops_per_token(cfg, seq)
-    if frozen_numels:
-        per_tok -= 2.0 * sum(frozen_numels)      # no weight gradient for frozen weights (2 of 6 FLOPs/param)
+    full_tok = flops_per_token(cfg, seq)
+    # Frozen weights get no weight gradient: 2 of the 6 FLOPs per weight and token go.
+    per_tok = full_tok - 2.0 * (n - n_trained)
     if po.activation_checkpointing:
-        per_tok *= 4.0 / 3.0             # one more forward, and the forward is 1/3 of fwd + bwd
+        per_tok += full_tok / 3.0        # one more forward, and the forward is 1/3 of fwd + bwd
     rate = hw.compute_tflops * 1e12
     compute_per_tok = per_tok / rate
     nvme_s = opt_nvme_s = 0.0
@@ -396,7 +453,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "compute": po.batch_tokens * compute_per_tok,
         "pcie": max(traffic["pcie_h2d"], traffic["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
-        "adam": n_trainable / hw.adam_params_per_s,
+        "adam": n_trained / hw.adam_params_per_s,
     }
     # One micro-batch's share of what runs beside compute (the optimizer's own NVMe traffic aside).
     per_micro = max(terms["compute"], terms["pcie"], nvme_s - opt_nvme_s) / k
@@ -435,13 +492,13 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     problems = []
     if device_budget < device_min:
         problems.append(
-            f"device budget {format_size(device_budget)} is below 3 parameter and 3 fp32 gradient chunks "
-            f"of {chunk:,} elements ({format_size(device_min)}): the device holds the tied embedding's "
-            f"chunks and a module's (which may straddle two) at once")
+            f"device budget {format_size(device_budget)} is below the largest chunk ({largest:,} elements) "
+            f"and 2 chunks of {chunk:,}, parameters and fp32 gradients ({format_size(device_min)}): the "
+            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once")
     if cpu_budget < cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
-            f"({format_size(cpu_min)}: {chunk:,} elements x {sum(per_elem.values())} B) that Adam needs at once")
+            f"({format_size(cpu_min)}: {largest:,} elements x {sum(per_elem.values())} B) that Adam needs at once")
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
         problems.append(
             f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "
@@ -480,10 +537,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     breakdown = {
         "seq_len": seq, "dtype_bytes": e, "device_budget": device_budget, "cpu_budget": cpu_budget,
         "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": elems - n,
-        "trainable_params": n_trainable, "trainable_chunks": trainable_chunks,
+        "trainable_params": n_trained, "trainable_chunks": sum(chunk_trainable),
+        "largest_chunk": largest, "oversized_chunks": sum(size > chunk for size in sizes),
         "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
         "params_resident_on_device": resident, "layer_params": layer_params,
         "state_bytes": state_bytes, "state_bytes_per_param": sum(per_elem.values()),
+        "trainable_params": n_trained, "frozen_chunks": num_chunks - sum(chunk_trainable),
         "state_by_kind": total, "activations": acts,
         "device_cpu_copy_bytes": {"h2d": h2d_fwd + h2d_bwd, "d2h": d2h},
         "optimizer_nvme_bytes": opt_nvme,

@@ -169,7 +169,8 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     cache: tuple[int, torch.Tensor] | None = None
     staging = None
     if engine is not None:
-        staging = engine.store.staging_buffers(engine.store.staging_bytes((source, 0)), count=1)[0]
+        store = engine.store
+        staging = store.staging_buffers(max(store.largest_bytes(source), store.largest_bytes("param")), count=1)[0]
     for shard, fname in zip(shards, names):
         path = root / fname
         tmp = root / f".{fname}.tmp-{os.getpid()}"
@@ -180,7 +181,9 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                     if e.slot is not None:
                         c = e.slot.chunk
                         if cache is None or cache[0] != c:
-                            cache = (c, engine.store.read_into((source, c), staging))
+                            # A frozen chunk has no master: its parameters are its values.
+                            key = (source, c) if (source, c) in engine.store.records else ("param", c)
+                            cache = (c, engine.store.read_into(key, staging))
                         value = cache[1][e.slot.offset:e.slot.end]
                     else:
                         value = e.buffer.detach().to("cpu").reshape(-1)
@@ -369,22 +372,28 @@ def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
     ``staging`` holds buffers reused from chunk to chunk (fresh allocations per chunk leave the
     heap fragmented and the process's RSS growing)."""
     params, store = engine.params, engine.store
-    master_kind = "master" if params.has_master else "param"
+    n = engine.layout.chunk_numel(c)
+    kind = params.master_kind(c)       # "param" for a frozen chunk or fp32 compute
     if "master" not in staging:
-        staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
+        largest = engine.layout.largest_chunk
+        staging["master"] = store.staging_buffers(largest * 4, count=1)[0]
         if params.has_master:
-            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype, device="cpu")
+            staging["param"] = torch.empty(largest, dtype=params.dtype, device="cpu")
     covered = {id(p) for p, _, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
-        master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)
+        master = staging["master"][: n * 4].view(torch.float32)
         master.zero_()                                                  # padding stays zero
+    elif kind == "master" or params.dtype == torch.float32:
+        master = store.read_into((kind, c), staging["master"])
     else:
-        master = store.read_into((master_kind, c), staging["master"])
+        current = store.read_into(("param", c), staging["master"]).float()
+        master = staging["master"][: n * 4].view(torch.float32).copy_(current)
     for p, name, file in members:
         s = params.ref(p).slot
         master[s.offset:s.end].copy_(tensor(file, name).reshape(-1))
-    if params.has_master:
+    if kind == "master":
         store.write(("master", c), master)
-        store.write(("param", c), staging["param"].copy_(master))
+    if params.has_master:
+        store.write(("param", c), staging["param"][:n].copy_(master))
     else:
         store.write(("param", c), master)

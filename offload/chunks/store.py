@@ -74,17 +74,30 @@ class ChunkStore(ChunkTraffic):
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
         """Add ``count`` chunks of ``numel`` elements of ``dtype`` under ``kind``; reserves NVMe slots."""
+        return self.register_chunks(kind, {i: numel for i in range(count)}, dtype)
+
+    def register_chunks(self, kind: str, numels: dict[int, int], dtype: torch.dtype) -> list[ChunkKey]:
+        """Add chunks ``(kind, i)`` of ``numels[i]`` elements of ``dtype``; reserves NVMe slots.
+
+        Indices may skip (frozen chunks have no gradient or optimizer state) and sizes may differ
+        (an oversized parameter's own chunk)."""
         with self.lock:
-            nbytes = numel * dtype.itemsize
-            keys = [(kind, i) for i in range(count)]
+            keys = [(kind, i) for i in numels]
             if any(k in self.records for k in keys):
                 raise ConfigError("kind", kind, "is already registered")
-            slots: list[NvmeSlot | None] = [None] * count
-            if "nvme" in self.tiers and count:
-                slots = self.tiers["nvme"].reserve_group(kind, count, nbytes)
-            for key, slot in zip(keys, slots):
+            sizes = [n * dtype.itemsize for n in numels.values()]
+            slots: list[NvmeSlot | None] = [None] * len(keys)
+            if "nvme" in self.tiers and keys:
+                slots = self.tiers["nvme"].reserve_slots(kind, sizes)
+            for key, numel, nbytes, slot in zip(keys, numels.values(), sizes, slots):
                 self.records[key] = ChunkRecord(key, numel, dtype, nbytes, slot=slot)
             return keys
+
+    def largest_bytes(self, kind: str) -> int:
+        """Bytes of the largest chunk of ``kind`` (0 when none is registered): a ``read_into``
+        buffer of this size serves every chunk of the kind."""
+        with self.lock:
+            return max((r.nbytes for k, r in self.records.items() if k[0] == kind), default=0)
 
     def tier_name(self, tier: str) -> str:
         """The tier ``tier`` names (itself, or the tier it is an alias of)."""
@@ -332,7 +345,7 @@ class ChunkStore(ChunkTraffic):
 
     def staging_bytes(self, key: ChunkKey) -> int:
         """Bytes a ``read_into`` buffer for ``key`` needs (its chunk's size; NVMe slots hold exactly
-        that; every chunk of a kind has the same)."""
+        that; an oversized parameter's chunk is larger than the others: see ``largest_bytes``)."""
         return self._rec(key).nbytes
 
     def write(self, key: ChunkKey, data: torch.Tensor) -> None:

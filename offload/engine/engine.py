@@ -66,7 +66,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
                 raise ConfigError("model", name, f"parameter dtype {p.dtype} is not floating point")
         shapes = [(n, self._shapes.get(id(p), p.shape)) for n, p in named]
         self.layout = ChunkLayout.build(shapes, config.chunk_size,
-                                        max_chunk=auto_max_chunk(device_budget, cpu_budget))
+                                        max_chunk=auto_max_chunk(device_budget, cpu_budget),
+                                        frozen={n for n, p in named if not p.requires_grad})
         self._check_budgets(device_budget, cpu_budget)
         # The engine moves the next-use clock itself (its prefetcher follows the trace).
         self.policy = make_policy(config.eviction, auto_advance=False)
@@ -100,14 +101,14 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
                                     on_unpinned=self._on_unpinned, tracer=self.tracer)
         self.store.on_free = self.params.on_store_free
         self.params.register_chunks()
-        n, size = self.layout.num_chunks, self.layout.chunk_size
         # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
         # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
-        # together is done in fp32.
-        self.store.register("grad", n, size,
-                            self.dtype if config.gradient_accumulation_steps == 1 else torch.float32)
+        # together is done in fp32. Frozen chunks get neither gradients nor optimizer state.
+        trainable = self.params.trainable_sizes()
+        self.store.register_chunks("grad", trainable,
+                                   self.dtype if config.gradient_accumulation_steps == 1 else torch.float32)
         for kind in ("exp_avg", "exp_avg_sq"):
-            self.store.register(kind, n, size, torch.float32)
+            self.store.register_chunks(kind, trainable, torch.float32)
         persistent = sum(r.nbytes for r in self.store.records.values() if r.key[0] != "grad")
         # When the persistent state cannot all stay in memory, the optimizer writes each chunk's
         # new state down as soon as it is done (see ChunkAdam.update).
@@ -147,17 +148,18 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         """
         from ..units import format_bytes
 
-        n = self.layout.chunk_size
+        lay = self.layout
+        n = lay.chunk_size
         e = self.dtype.itemsize
-        need_device = min_device_bytes(n, e)
-        need_cpu = min_cpu_bytes(n, e)
-        largest = max(s.numel for s in self.layout.slots)
-        why = (f"chunks are {n} elements (the largest parameter has {largest}); "
+        need_device = min_device_bytes(n, e, lay.largest_chunk)
+        trainable = [lay.sizes[c] for c in lay.trainable_chunks]
+        need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), lay.largest_chunk * e)
+        why = (f"chunks are {n} elements (the largest has {lay.largest_chunk}); "
                "raise the budget or lower chunk_size")
         if device_budget < need_device:
             raise ConfigError("device_budget", device_budget,
                               f"holds less than the {format_bytes(need_device)} one backward step needs "
-                              f"(3 parameter and 3 fp32 gradient chunks): {why}")
+                              f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients): {why}")
         if cpu_budget < need_cpu:
             raise ConfigError("cpu_budget", cpu_budget,
                               f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
@@ -190,12 +192,13 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         return [(n, p) for n, p in self.model.named_parameters()]
 
     def _move_buffers(self) -> None:
+        """Buffers go to the compute device in the dtype the model made them: an fp32 ``inv_freq``
+        in a bf16 run keeps RoPE exact at long positions (as HF loads keep it). A user who wants
+        them in another dtype casts them before wrapping."""
         for module in self.model.modules():
             for name, buf in module._buffers.items():
-                if buf is None:
-                    continue
-                dtype = self.dtype if buf.is_floating_point() else buf.dtype
-                module._buffers[name] = buf.to(self.device, dtype)
+                if buf is not None:
+                    module._buffers[name] = buf.to(self.device)
 
     @contextmanager
     def _on_compute(self, received: torch.Tensor | None = None) -> Iterator[None]:
@@ -237,7 +240,9 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         """Statistics of the last optimizer step plus the current memory report."""
         return {**self.last_stats, "memory": self.store.memory_report(),
                 "layout": {"chunks": self.layout.num_chunks, "chunk_size": self.layout.chunk_size,
-                           "params": self.layout.total_params}}
+                           "params": self.layout.total_params,
+                           "trainable_chunks": len(self.layout.trainable_chunks),
+                           "largest_chunk": self.layout.largest_chunk}}
 
     def close(self, *, keep_files: bool = False) -> None:
         """Stop the worker and delete the NVMe swap files (the model's values are gone with them);

@@ -63,8 +63,8 @@ class GradCapture:
             if s.offset > at:
                 gaps.append((at, s.offset))
             at = s.end
-        if at < self.layout.chunk_size:
-            gaps.append((at, self.layout.chunk_size))
+        if at < self.layout.chunk_numel(c):
+            gaps.append((at, self.layout.chunk_numel(c)))
         return gaps
 
     def _zero_gaps(self, view: torch.Tensor, c: int) -> None:

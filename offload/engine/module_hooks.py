@@ -104,11 +104,12 @@ class ModuleHooks:
                 self.saved.enter()
         chunks = self.module_chunks[module]
         self._pin_updated(chunks)
+        args = self._release_after_own_backward(module, args)
         if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
             if module not in self.bwd_remaining:
                 self.bwd_remaining[module] = self.grad_counts[module]
-            return
+            return args
         for outer in self.active:
             if outer in self.discovering:
                 self.called_within[outer].add(module)
@@ -116,6 +117,15 @@ class ModuleHooks:
         self.fwd_pinned.append((module, chunks, time.perf_counter()))
         if self.gpu_timeline is not None:
             self.gpu_timeline.start(("forward", module))
+        return args
+
+    def _release_after_own_backward(self, module: nn.Module, args):
+        """A module with no trainable parameter (a LoRA base layer) gets no gradient that would
+        release its backward pins: route its inputs' gradients through a hook that releases them
+        once its backward has run, rather than hold its frozen chunks until backward ends."""
+        if self.grad_counts[module] or module is self.model or not torch.is_grad_enabled():
+            return args
+        return wrap_for_backward(args, lambda m=module: self._release_backward_pins(m))
 
     def _post_forward(self, module: nn.Module, args, output):
         if self.in_backward:
@@ -220,7 +230,7 @@ class ModuleHooks:
         self.in_backward = True
         final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
         self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
-                      and self.optimizer.max_grad_norm is None and final_micro_batch)
+                      and not self.optimizer.defers_update() and final_micro_batch)
         if self.eager:
             self._refresh_hypers()
         self.parked = self._chunks_to_park() if self.eager and self.spills else set()

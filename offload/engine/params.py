@@ -58,10 +58,20 @@ class ChunkedParams:
         return id(p) in self.refs
 
     def register_chunks(self) -> None:
-        n, size = self.layout.num_chunks, self.layout.chunk_size
-        self.store.register("param", n, size, self.dtype)
+        sizes = dict(enumerate(self.layout.sizes))
+        self.store.register_chunks("param", sizes, self.dtype)
         if self.has_master:
-            self.store.register("master", n, size, torch.float32)
+            # Frozen chunks never change: their compute-precision parameters are all they need.
+            self.store.register_chunks("master", self.trainable_sizes(), torch.float32)
+
+    def trainable_sizes(self) -> dict[int, int]:
+        """``{chunk: elements}`` of the chunks that hold trainable parameters."""
+        return {c: self.layout.sizes[c] for c in self.layout.trainable_chunks}
+
+    def master_kind(self, c: int) -> str:
+        """The kind holding chunk ``c``'s most precise values: its fp32 master, or (fp32 compute,
+        or a frozen chunk) its parameters."""
+        return "master" if self.has_master and self.layout.trainable[c] else "param"
 
     def fill_from_model(self, tier: str) -> None:
         """Copy each parameter's current values into its chunks, chunk by chunk, then drop them.
@@ -78,7 +88,7 @@ class ChunkedParams:
                     view[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(kind_dtype))
 
             self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
-            if self.has_master:
+            if self.master_kind(c) == "master":
                 self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
             for p in members:
                 p.data = self._placeholder
@@ -125,7 +135,7 @@ class ChunkedParams:
                     ref = self.ref(p)
                     c = ref.slot.chunk
                     if c not in staging:
-                        staging[c] = torch.zeros(self.layout.chunk_size, dtype=torch.float32, device="cpu")
+                        staging[c] = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32, device="cpu")
                     staging[c][ref.slot.offset:ref.slot.end].copy_(temps[name].reshape(-1))
                     done.add(id(p))
                     remaining[c] -= 1
@@ -145,7 +155,7 @@ class ChunkedParams:
             real = [p for p in members if p.numel() == self.ref(p).slot.numel and p.numel() > 0]
             if not real:
                 continue
-            values = torch.zeros(self.layout.chunk_size, dtype=torch.float32, device="cpu")
+            values = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32, device="cpu")
             for p in real:
                 s = self.ref(p).slot
                 values[s.offset:s.end].copy_(p.data.reshape(-1))
@@ -157,7 +167,7 @@ class ChunkedParams:
 
     def _initialize_chunk(self, c: int, values: torch.Tensor, tier: str) -> None:
         self.store.initialize(("param", c), tier, lambda v: v.copy_(values.to(self.dtype)))
-        if self.has_master:
+        if self.master_kind(c) == "master":
             self.store.initialize(("master", c), tier, lambda v: v.copy_(values))
 
     # ---- pins on the compute device ---------------------------------------
@@ -214,20 +224,29 @@ class ChunkedParams:
     # ---- values (state_dict) ------------------------------------------------
     def gather_all(self, kind: str | None = None, params=None) -> dict[int, torch.Tensor]:
         """Values of ``params`` (default: all) in chunk ``kind`` (default: the fp32 master, or the
-        parameters themselves in fp32), reading each chunk once: ``{id(param): tensor}``.
-        A kind whose chunk holds nothing yet (exp_avg before the first step) reads as zeros."""
-        kind = kind or ("master" if self.has_master else "param")
+        parameters themselves, as fp32), reading each chunk once: ``{id(param): tensor}``.
+        A kind whose chunk holds nothing yet (exp_avg before the first step) reads as zeros, as
+        does optimizer state of a frozen chunk (it has none)."""
         wanted = None if params is None else {id(p) for p in params}
         out = {}
-        buf = self._staging(kind)
+        bufs: dict[str, torch.Tensor] = {}
         for c, members in enumerate(self.chunk_members):
             members = [p for p in members if wanted is None or id(p) in wanted]
             if not members:
                 continue
-            chunk = self._read_or_zeros((kind, c), buf)
+            k = kind or self.master_kind(c)
+            if (k, c) not in self.store.records:
+                k = "param" if k == "master" else None
+            if k is None:
+                chunk = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32)
+            else:
+                if k not in bufs:
+                    bufs[k] = self._staging(k)
+                chunk = self._read_or_zeros((k, c), bufs[k])
             for p in members:
                 s = self.ref(p).slot
-                out[id(p)] = chunk[s.offset:s.end].view(s.shape).clone()
+                value = chunk[s.offset:s.end].view(s.shape)
+                out[id(p)] = value.float() if kind is None and value.dtype != torch.float32 else value.clone()
         return out
 
     def scatter(self, values: dict[int, torch.Tensor], kinds=None) -> None:
@@ -242,6 +261,8 @@ class ChunkedParams:
         bufs = {kind: self._staging(kind) for kind in kinds}
         for c, members in by_chunk.items():
             for kind in kinds:
+                if (kind, c) not in self.store.records:
+                    continue        # a frozen chunk has no master or optimizer state
                 chunk = self._read_or_zeros((kind, c), bufs[kind])
                 for p in members:
                     s = self.ref(p).slot
@@ -251,7 +272,7 @@ class ChunkedParams:
     def _staging(self, kind: str) -> torch.Tensor:
         # One buffer per call, reused chunk after chunk: the values are cloned out of it, and
         # store.write copies what it is given.
-        return self.store.staging_buffers(self.store.staging_bytes((kind, 0)), count=1)[0]
+        return self.store.staging_buffers(self.store.largest_bytes(kind), count=1)[0]
 
     def _read_or_zeros(self, key, buf: torch.Tensor) -> torch.Tensor:
         rec = self.store.records[key]

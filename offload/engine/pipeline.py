@@ -77,10 +77,11 @@ class StepPipeline:
                 self.park_count -= 1
             else:
                 self.park_count += min(PARK_GROWTH, int(idle / (2 * u)))
-        self.park_count = min(max(self.park_count, 0), self.layout.num_chunks // 2)
+        trainable = self.layout.trainable_chunks         # frozen chunks have no update to park
+        self.park_count = min(max(self.park_count, 0), len(trainable) // 2)
         if self.park_count == 0:
             return set()
-        by_deadline = sorted(range(self.layout.num_chunks), key=self._deadline)
+        by_deadline = sorted(trainable, key=self._deadline)
         return set(by_deadline[-self.park_count:])
 
     def _runs(self, c: int):
@@ -107,7 +108,8 @@ class StepPipeline:
         else:
             self.adam.drain()
         applied = True
-        max_norm = self.optimizer.max_grad_norm or self.optimizer.clip_this_step
+        clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
+        max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]
         norm = self.grad_norm() if self.scaler is not None or max_norm is not None else 0.0
         overflow = self.scaler is not None and not math.isfinite(norm)
         if overflow:
@@ -116,8 +118,9 @@ class StepPipeline:
             self._refresh_hypers()
             scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
             if max_norm is not None:
-                self.optimizer.last_grad_norm = norm
-                scale *= min(1.0, max_norm / (norm + 1e-6))
+                total = norm if clip is None else clip[1]
+                self.optimizer.last_grad_norm = total
+                scale *= min(1.0, max_norm / (total + 1e-6))
             todo = sorted(self.grad_chunks - self.updated_chunks)
             depth = max(1, self.config.prefetch_depth)
             for i, c in enumerate(todo):
@@ -151,7 +154,7 @@ class StepPipeline:
         self._reset_window()
 
     def _release_grads(self) -> None:
-        for c in range(self.layout.num_chunks):
+        for c in self.layout.trainable_chunks:
             rec = self.store.records[("grad", c)]
             if rec.state is not ChunkState.FREE and not self.adam.pending(c):   # a queued update frees its own
                 self.store.release_storage(("grad", c))

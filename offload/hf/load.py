@@ -336,23 +336,29 @@ def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
     ``staging`` holds the buffers reused from chunk to chunk (fresh ones per chunk leave the heap
     fragmented and RSS growing). A chunk that also holds values from elsewhere (LoRA adapters
     copied in by ``wrap``) is read first; padding stays zero."""
-    params, store = engine.params, engine.store
-    master_kind = "master" if params.has_master else "param"
+    params, store, layout = engine.params, engine.store, engine.layout
+    # Chunks differ in size (a large parameter has its own) and frozen ones have no master:
+    # stage in fp32 up to the largest chunk, write the kinds chunk ``c`` has.
+    master_kind = params.master_kind(c)
+    numel = layout.chunk_numel(c)
     if "master" not in staging:
-        staging["master"] = store.staging_buffers(store.staging_bytes((master_kind, 0)), count=1)[0]
+        largest = layout.largest_chunk
+        staging["master"] = store.staging_buffers(largest * 4, count=1)[0]
         if params.has_master:
-            staging["param"] = torch.empty(engine.layout.chunk_size, dtype=params.dtype, device="cpu")
+            staging["param"] = torch.empty(largest, dtype=params.dtype, device="cpu")
     covered = {id(p) for p, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
-        master = staging["master"][: engine.layout.chunk_size * 4].view(torch.float32)
+        master = staging["master"][: numel * 4].view(torch.float32)
         master.zero_()
     else:
-        master = store.read_into((master_kind, c), staging["master"])
+        current = store.read_into((master_kind, c), staging["master"])
+        master = current if current.dtype == torch.float32 else current.float()   # a frozen chunk
     for p, source in members:
         slot = params.ref(p).slot
         source.copy_into(master[slot.offset:slot.end])
-    if params.has_master:
+    if master_kind == "master":
         store.write(("master", c), master)
-        store.write(("param", c), staging["param"].copy_(master))
+    if params.has_master:
+        store.write(("param", c), staging["param"][:numel].copy_(master))
     else:
         store.write(("param", c), master)

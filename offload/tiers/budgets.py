@@ -39,17 +39,20 @@ def resolve_budgets(config: OffloadConfig, device: torch.device) -> tuple[int, i
     return device_budget, cpu_budget
 
 
-def min_device_bytes(chunk_elements: int, elem_bytes: int) -> int:
+def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int | None = None) -> int:
     """The smallest device budget one training step fits in.
 
     Backward holds at once: the tied embedding's parameter chunk and its fp32 gradient chunk
     (pinned until the very end), and the current module's parameter and gradient chunks, which
-    may straddle two chunks: three of each.
+    may straddle two chunks: three of each. An oversized parameter has a chunk of its own
+    (``largest_elements``); only one is held beside two bulk chunks.
     """
-    return 3 * chunk_elements * (elem_bytes + 4)
+    largest = max(largest_elements or 0, chunk_elements)
+    return (largest + 2 * chunk_elements) * (elem_bytes + 4)
 
 
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:
     """The smallest CPU budget one chunk's update fits in: its fp32 gradient, master (when the
-    compute dtype is not fp32), exp_avg and exp_avg_sq, and its parameters, pinned together."""
+    compute dtype is not fp32), exp_avg and exp_avg_sq, and its parameters, pinned together
+    (``chunk_elements``: the largest trainable chunk)."""
     return chunk_elements * (4 + (4 if elem_bytes < 4 else 0) + 4 + 4 + elem_bytes)

@@ -89,19 +89,26 @@ class NvmeTier:
 
     def reserve_group(self, group: str, count: int, slot_bytes: int) -> list[NvmeSlot]:
         """Create (or reuse) the swap file of ``group`` with ``count`` slots of ``slot_bytes``."""
+        return self.reserve_slots(group, [slot_bytes] * count)
+
+    def reserve_slots(self, group: str, sizes: Sequence[int]) -> list[NvmeSlot]:
+        """Create the swap file of ``group`` with one slot per entry of ``sizes`` (bytes; each slot
+        starts on a 4 KiB boundary)."""
         from ..aio import StripedFile
 
         if group in self.files:
             raise ConfigError("group", group, "already has a swap file")
-        slot = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        size = slot * count
+        offsets, size = [], 0
+        for nbytes in sizes:
+            offsets.append(size)
+            size += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
         if size > self.free_bytes:
             raise TierFullError("nvme", self.budget, self.in_use, size,
                                 f"free space on {', '.join(self.dirs)}")
         file = StripedFile(self.dirs, f"{self.prefix}-{group}.swp", size)
         self.files[group] = file
         self.in_use += size
-        return [NvmeSlot(file, i * slot, slot_bytes) for i in range(count)]
+        return [NvmeSlot(file, off, nbytes) for off, nbytes in zip(offsets, sizes)]
 
     def write(self, slot: NvmeSlot, src: torch.Tensor, src_name: str = "cpu") -> Move:
         """Start writing the aligned host buffer ``src`` into ``slot``."""

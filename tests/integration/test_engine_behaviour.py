@@ -109,7 +109,13 @@ def test_backward_twice_without_step_is_a_clear_error(disk_tmp):
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), cfg(disk_tmp))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
-    data = batches(2)
+    data = batches(3)
+    # The first step's update waits for step() (a clip_grad_norm_ may come between); from the
+    # second on, with no clip seen, updates run during backward.
+    x, y = next(data)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
     x, y = next(data)
     model(x, y).backward()
     x, y = next(data)

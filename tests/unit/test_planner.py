@@ -31,9 +31,13 @@ def test_100b_state_is_every_chunk_of_every_kind():
     b = p.breakdown
     assert p.params == N100
     assert b["state_bytes_per_param"] == 18                        # 2 + 4 grad + 4 master + 4 + 4
-    # the 327.68M-element embedding sets the chunk size (>= the largest parameter), padding included
-    assert b["chunk_size"] == 32000 * 10240 and b["padding_elements"] > 0
-    elems = b["chunk_size"] * b["num_chunks"]
+    # The chunk size is chosen for the bulk (at most 32 Mi elements); the 327.68M-element embedding and
+    # lm_head and the larger matrices get chunks of their own size: padding is well under 1 %
+    # (it was 17.8 % when the embedding set the size of every chunk).
+    assert b["chunk_size"] <= 1 << 25 and b["largest_chunk"] == 32000 * 10240
+    assert b["oversized_chunks"] == 2 + 90 * 5        # embedding, lm_head; q, o, gate, up, down per layer
+    assert 0 < b["padding_elements"] < 0.01 * p.params
+    elems = p.params + b["padding_elements"]
     assert b["state_bytes"] == 18 * elems == p.nvme_bytes_needed   # a slot for each, reserved up front
     assert p.fits, p.reason
 
@@ -88,10 +92,11 @@ def test_bytes_per_step_follow_the_engine():
     parameters in (forward + backward refetch) and fp32 gradients out."""
     p = plan("100b", box(), Policy(cpu_budget=1 << 30, device_budget=16 << 30))
     b, k, bps = p.breakdown, p.breakdown["state_by_kind"], p.bytes_per_step
-    elems = b["chunk_size"] * b["num_chunks"]
+    elems = p.params + b["padding_elements"]          # every chunk, the oversized ones at their own size
     assert b["cpu_budget"] < b["cpu_min_bytes"] and not p.fits and "CPU budget" in p.reason
     p = plan("100b", box(), Policy(cpu_budget=b["cpu_min_bytes"] * 2, device_budget=16 << 30))
     b, k, bps = p.breakdown, p.breakdown["state_by_kind"], p.bytes_per_step
+    elems = p.params + b["padding_elements"]
     assert p.fits, p.reason
     assert p.tiers["nvme"]["params"] == k["params"] == 2 * elems          # nothing left for state
     refetch = k["params"] - p.tiers["device"]["params"]
@@ -149,11 +154,14 @@ def test_activations_limit_the_batch_beside_the_device_budget():
 def test_refuses_a_device_budget_below_the_engines_minimum():
     from offload.tiers.budgets import min_device_bytes
 
-    p = plan("100b", box(), Policy(device_budget=4 << 30))
-    chunk = 32000 * 10240
-    assert not p.fits and p.breakdown["device_min_bytes"] == min_device_bytes(chunk, 2) == 3 * 6 * chunk
-    assert "device budget 4.29 GB is below 3 parameter and 3 fp32 gradient chunks of 327,680,000 elements" in p.reason
-    assert "5.90 GB" in p.reason
+    p = plan("100b", box(), Policy(device_budget=1 << 30))
+    chunk, largest = p.breakdown["chunk_size"], 32000 * 10240
+    assert not p.fits and p.breakdown["device_min_bytes"] == min_device_bytes(chunk, 2, largest) \
+        == 6 * (largest + 2 * chunk)
+    assert (f"device budget 1.07 GB is below the largest chunk (327,680,000 elements) and 2 chunks of "
+            f"{chunk:,}") in p.reason
+    # Before oversized parameters had chunks of their own, every chunk was the embedding's: 5.90 GB.
+    assert p.breakdown["device_min_bytes"] < 0.5 * 5.90e9
 
 
 def test_refuses_a_small_disk_with_the_numbers():
@@ -197,7 +205,9 @@ def test_the_tiny_run_the_engine_handles_fits():
     p = plan("tiny", hw, Policy(batch_tokens=2048, seq_len=256, device_budget=6 << 20, cpu_budget=8 << 20))
     assert p.fits, p.reason
     assert p.breakdown["chunk_size"] == 176128 and p.breakdown["num_chunks"] == 21   # as the engine lays it out
-    assert p.tiers["nvme"]["bytes"] > 0 and p.nvme_bytes_needed == 18 * 176128 * 21
+    # every chunk of every kind, the last one cut to what it holds
+    assert p.tiers["nvme"]["bytes"] > 0 and p.nvme_bytes_needed == 18 * (p.params + p.breakdown["padding_elements"])
+    assert p.nvme_bytes_needed < 18 * 176128 * 21
 
 
 def test_cpu_only_refusals_name_ram_and_cpu_minimum():
@@ -264,7 +274,7 @@ def test_cli_100b_prints_a_complete_plan(capsys, tmp_path):
     assert main(CLI_100B + ["--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     for text in ("llama-100b", "100.69 B parameters", "bytes per tier and kind", "exp_avg_sq",
-                 "NVMe space needed: 2.14 TB", "NVMe read", "PCIe H2D", "predicted step time",
+                 "NVMe space needed: 1.81 TB", "NVMe read", "PCIe H2D", "predicted step time",
                  "<- bottleneck", "compute becomes the bottleneck from", "verdict: fits"):
         assert text in out, text
     data = json.loads(out_json.read_text())
@@ -281,7 +291,7 @@ def test_cli_refuses_with_the_numbers(capsys):
     argv = [a if a != "8T" else "500GB" for a in CLI_100B]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "refused: NVMe needs 2.14 TB, 500 GB free" in err
+    assert "refused: NVMe needs 1.81 TB, 500 GB free" in err
 
 
 @pytest.mark.parametrize("bad", [["--gpu-mem", "80X"], ["--batch-tokens", "-5"], ["--nvme-gbps", "0"],
@@ -358,3 +368,23 @@ def test_cli_reads_saved_bench_files(capsys, tmp_path, monkeypatch):
     assert main(argv) == 0
     hw = json.loads(capsys.readouterr().out)["hardware"]
     assert (hw["nvme_read_gbps"], hw["nvme_write_gbps"], hw["adam_params_per_s"]) == (1.2, 2.0, 1.7e9)
+
+
+def test_lora_plan_costs_frozen_weights_their_parameters_only():
+    full = plan("100b", box())
+    lora = plan("100b", box(), Policy(lora_rank=16))
+    b = lora.breakdown
+    # q_proj and v_proj of 90 layers: A (16 x 10240) and B (out x 16) each.
+    assert b["trainable_params"] == 90 * 16 * ((10240 + 10240) + (10240 + 1024))
+    assert b["frozen_chunks"] > 0 and lora.params == full.params + b["trainable_params"]
+    k = b["state_by_kind"]
+    assert k["params"] == 2 * (lora.params + b["padding_elements"])         # every chunk's parameters
+    assert k["exp_avg"] == k["master"] == 4 * (k["grads"] // 4) < 4 * 10 ** 8   # adapters' chunks only
+    assert lora.nvme_bytes_needed < full.nvme_bytes_needed / 7
+    assert lora.step_terms_s["adam"] < full.step_terms_s["adam"] / 1000
+    assert lora.step_terms_s["compute"] < full.step_terms_s["compute"]      # no weight gradients
+    assert lora.bytes_per_step["pcie_d2h"] < full.bytes_per_step["pcie_d2h"] / 1000
+    with pytest.raises(ConfigError, match="lora_targets"):
+        Policy(lora_rank=8, lora_targets=("qkv",))
+    with pytest.raises(ConfigError, match="lora_rank"):
+        Policy(lora_rank=0)

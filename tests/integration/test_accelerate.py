@@ -1,0 +1,71 @@
+"""A wrapped model with ``offload.AdamW`` in a plain ``accelerate`` loop (``prepare``,
+``accelerator.backward``, ``accelerator.clip_grad_norm_``) trains as the same loop with a plain
+model and ``torch.optim.AdamW`` (fp32, NVMe forced), with and without clipping."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+STEPS = 5
+
+
+def tiny_llama(seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def loader():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (2 * STEPS, 16), generator=gen)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2, shuffle=False)
+
+
+def train(model, optimizer, clip):
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, optimizer, data = accelerator.prepare(model, optimizer, loader())
+    losses, norms = [], []
+    for (ids,) in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        if clip is not None:
+            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_accelerate_loop_matches_torch(disk_tmp, clip):
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    want, want_norms = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), clip)
+    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="320KiB",
+                                nvme_paths=[str(disk_tmp)], chunk_size=16384)
+    model = offload.wrap(mine, cfg)
+    got, norms = train(model, offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), clip)
+    assert len(got) == STEPS
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=0)
+    if clip is not None:
+        assert max(want_norms) > clip                   # the clip was active
+    state = model.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
+    model.offload_engine.close()

@@ -1,0 +1,72 @@
+"""``torch.nn.utils.clip_grad_norm_`` over a wrapped model's parameters (the call HF Trainer and
+accelerate make) clips as torch does: the global norm counts offloaded and plain gradients, the
+plain ones are scaled in place by torch, the offloaded ones by the engine's Adam. It refuses what
+it cannot do exactly, with the reason."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import ConfigError, OffloadError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_gpt import TinyGPT, batches  # noqa: E402
+
+
+def cfg(path, **kw):
+    base = dict(device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
+                nvme_paths=[str(path)], chunk_size=8192)
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def test_clip_over_wrapped_and_plain_parameters_matches_torch(disk_tmp):
+    torch.manual_seed(0)
+    ref, ref_head = TinyGPT(), nn.Linear(1, 1)          # a parameter no engine owns
+    model, head = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp)), copy.deepcopy(ref_head)
+    opt = offload.AdamW([*model.parameters(), *head.parameters()], lr=1e-2)
+    ref_opt = torch.optim.AdamW([*ref.parameters(), *ref_head.parameters()], lr=1e-2)
+    for x, y in batches(4):
+        for m, h, o in ((ref, ref_head, ref_opt), (model, head, opt)):
+            loss = m(x, y) + h(torch.ones(1)).pow(2).sum()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_([*m.parameters(), *h.parameters()], 0.3)
+            o.step()
+            o.zero_grad()
+            if m is ref:
+                want = norm
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
+        assert want > 0.3                                                    # clipping was active
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight, ref_head.weight, rtol=1e-5, atol=1e-6)
+    model.offload_engine.close()
+
+
+def test_clip_refuses_part_of_a_model_and_a_clip_after_the_update(disk_tmp):
+    torch.manual_seed(0)
+    model = offload.wrap(TinyGPT(), cfg(disk_tmp))
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    data = batches(3)
+    x, y = next(data)
+    model(x, y).backward()
+    with pytest.raises(ConfigError, match="takes all its trainable parameters"):
+        torch.nn.utils.clip_grad_norm_(list(model.parameters())[:2], 1.0)
+    with pytest.raises(ConfigError, match="L2 norm only"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf"))
+    opt.step()                      # no clip in the first step: from now on updates run during backward
+    opt.zero_grad()
+    x, y = next(data)
+    model(x, y).backward()
+    with pytest.raises(OffloadError, match="pass max_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    model.offload_engine.close()

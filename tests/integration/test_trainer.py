@@ -1,0 +1,85 @@
+"""A wrapped model with ``offload.AdamW`` under ``transformers.Trainer`` trains as the same Trainer run
+with a plain model and ``torch.optim.AdamW`` (fp32, NVMe forced): with Trainer's default
+``max_grad_norm=1.0`` (its clip goes through ``torch.nn.utils.clip_grad_norm_``, which the engine
+answers with the real global norm) and with clipping off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+STEPS = 5
+
+
+def tiny_llama(seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(0, 128, (16,), generator=gen) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+class RecordingTrainer(transformers.Trainer):
+    """Keeps each step's loss as computed (the logged one is rounded)."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
+        return loss
+
+
+def train(model, optimizer, out_dir, max_grad_norm):
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-2,
+        max_grad_norm=max_grad_norm, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=Tokens(2 * STEPS),
+                               optimizers=(optimizer, None))
+    trainer.losses = []
+    trainer.train()
+    return trainer.losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_trainer_matches_torch(disk_tmp, max_grad_norm):
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), disk_tmp / "ref",
+                 max_grad_norm)
+    cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="320KiB",
+                                nvme_paths=[str(disk_tmp / "nvme")], chunk_size=16384)
+    model = offload.wrap(mine, cfg)
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    got = train(model, opt, disk_tmp / "mine", max_grad_norm)
+    assert len(got) == len(want) == STEPS
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+    if max_grad_norm:
+        assert opt.last_grad_norm is not None and opt.last_grad_norm > max_grad_norm   # the clip was active
+    state = model.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
+    model.offload_engine.close()
