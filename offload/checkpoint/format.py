@@ -58,8 +58,23 @@ def bytes_view(t: torch.Tensor):
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
+MANIFEST_CRC = "manifest_crc32"
+
+
+def _manifest_crc(manifest: dict) -> int:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    # Through JSON and back first: the CRC is of what a reader parses (keys as strings).
+    return zlib.crc32(json.dumps(json.loads(json.dumps(body)), sort_keys=True).encode()) & 0xFFFFFFFF
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written, carrying a CRC-32 of its own canonical JSON: a flipped bit in a
+    step count or an offset is caught like one in the chunk data."""
+    return json.dumps({**manifest, MANIFEST_CRC: _manifest_crc(manifest)}, indent=1).encode()
+
+
 def read_manifest(ckpt: Path) -> dict:
-    """The parsed, format-checked manifest of checkpoint directory ``ckpt``."""
+    """The parsed, format- and checksum-checked manifest of checkpoint directory ``ckpt``."""
     try:
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
@@ -69,6 +84,11 @@ def read_manifest(ckpt: Path) -> dict:
         raise OffloadError(f"{ckpt / MANIFEST}: not an {FORMAT} version {VERSION} manifest "
                            f"(format {got!r}, version "
                            f"{manifest.get('version') if isinstance(manifest, dict) else None!r})")
+    if MANIFEST_CRC in manifest:          # absent in checkpoints of older versions
+        want, got = manifest.pop(MANIFEST_CRC), _manifest_crc(manifest)
+        if want != got:
+            raise ChecksumError(str(ckpt / MANIFEST), 0, 0, f"the manifest's own crc32 does not match "
+                                                            f"(expected {want:#010x}, got {got:#010x})")
     return manifest
 
 

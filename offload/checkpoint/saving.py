@@ -15,7 +15,7 @@ from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
 from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SAVED_KINDS, VERSION, checksum, checksum_algorithm,
-                     checksum_bytes, step_name)
+                     checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
 from .model_state import engine_of, foreign_optimizer_state, group_hypers, layout_entries, persistent_buffers, pipelined
 
@@ -60,7 +60,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     tmp.mkdir()
     try:
         manifest = _write_contents(engine, optimizer, tmp, step, extra)
-        write_file_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_file_atomic(tmp / MANIFEST, manifest_bytes(manifest))
         fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
