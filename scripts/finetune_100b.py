@@ -12,6 +12,12 @@ Presets (parameters): tiny 2.97 M, small 23.7 M, 1b 1.10 B, 7b 6.74 B, 13b 13.0 
 100b 100.7 B. Data: a .txt file (one stream of text) or a .jsonl file (a "text" field per line),
 by default the small corpus in scripts/data/. Tokens are bytes unless --tokenizer names a local
 Hugging Face tokenizer directory (needs `transformers`).
+
+Preemption: SIGTERM or SIGINT (Ctrl-C) finishes the step in flight, writes a checkpoint to
+--checkpoint-dir and exits with status 143 (SIGTERM) or 130 (SIGINT); a second signal exits at
+once with the same status, leaving the previous checkpoint intact. `--resume` then continues
+from it; a checkpoint that does not verify is skipped (with a line saying which and why) for
+the newest one that does. Exit status 1: a one-line error (bad input, I/O failure).
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-checkpointing", action="store_true", help="turn activation checkpointing off")
     p.add_argument("--checkpoint-dir", help="where to write checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="keep the newest K checkpoints (default 2; a resume falls back to an older one "
+                        "when the newest does not verify)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--no-plan", action="store_true", help="skip the planner's measurements (no fit check!)")
@@ -184,6 +193,12 @@ def main(argv=None) -> int:
     batch = args.batch_tokens // seq
     if args.resume and not args.checkpoint_dir:
         raise offload.ConfigError("--resume", True, "needs --checkpoint-dir")
+    if args.keep_checkpoints < 1:
+        raise offload.ConfigError("--keep-checkpoints", args.keep_checkpoints, "must be >= 1")
+    if args.tokenizer:
+        from offload.tokenizer_files import check_tokenizer_dir
+
+        check_tokenizer_dir(args.tokenizer)
     config = offload.OffloadConfig(
         dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
         nvme_paths=args.nvme_path or None)
@@ -232,9 +247,9 @@ def main(argv=None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     start_step = 0
     if args.resume:
-        from offload.checkpoint import load_checkpoint
+        from offload.checkpoint import resume
 
-        manifest = load_checkpoint(model, optimizer, args.checkpoint_dir)
+        manifest = resume(model, optimizer, args.checkpoint_dir, say=lambda m: print(f"finetune: {m}", file=sys.stderr))
         start_step = int(manifest["extra"]["step"])
         scheduler.load_state_dict(manifest["extra"]["scheduler"])
         print(f"finetune: resumed from {manifest['path']} at step {start_step}", file=sys.stderr)
@@ -247,6 +262,24 @@ def main(argv=None) -> int:
     losses, times = [], []
     t_start = time.perf_counter()
     model.train()
+    from offload.checkpoint import save_checkpoint
+    from offload.preempt import Preemption
+
+    at = {"done": start_step, "saved": start_step if args.resume else None}
+
+    def save():
+        if at["saved"] == at["done"]:
+            return                          # a preemption right after a scheduled save
+        path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=at["done"],
+                               extra={"step": at["done"], "scheduler": scheduler.state_dict()},
+                               keep=args.keep_checkpoints)
+        at["saved"] = at["done"]
+        if tty:
+            print(file=sys.stderr)
+        print(f"finetune: checkpoint {path}", file=sys.stderr)
+
+    # SIGTERM/SIGINT: the step in flight finishes, then save + exit 143/130 (see the docstring).
+    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune").install()
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
@@ -270,20 +303,16 @@ def main(argv=None) -> int:
                 log.flush()
             if not math.isfinite(value) and args.dtype != "fp16":
                 raise OffloadError(f"the loss became {value} at step {step + 1}")
-            done = step + 1
+            done = at["done"] = step + 1
             if args.checkpoint_dir and (done == args.steps or
                                         (args.checkpoint_every and done % args.checkpoint_every == 0)):
-                from offload.checkpoint import save_checkpoint
-
-                path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=done,
-                                       extra={"step": done, "scheduler": scheduler.state_dict()}, keep=2)
-                if tty:
-                    print(file=sys.stderr)
-                print(f"finetune: checkpoint {path}", file=sys.stderr)
+                save()
+            preempt.after_step()
         if tty:
             print(file=sys.stderr)
         summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss)
     finally:
+        preempt.uninstall()
         if log:
             log.close()
         model.offload_engine.close(keep_files=args.keep_nvme)

@@ -47,7 +47,7 @@ Modules: ``format`` (names, manifest, checksums), ``files`` (durable writes, sta
 from .files import SYNC_EVERY, write_file_atomic
 from .format import FORMAT, LATEST, MANIFEST, SAVED_KINDS, VERSION
 from .listing import candidates, list_checkpoints, resolve_checkpoint
-from .loading import CheckpointSkipped, load_checkpoint
+from .loading import CheckpointSkipped, load_checkpoint, resume
 from .model_state import persistent_buffers
 from .saving import save_checkpoint
 from .verify import Verdict, verify_checkpoint, verify_root
@@ -56,5 +56,5 @@ __all__ = [
     "FORMAT", "LATEST", "MANIFEST", "SAVED_KINDS", "SYNC_EVERY", "VERSION",
     "CheckpointSkipped", "Verdict",
     "candidates", "list_checkpoints", "load_checkpoint", "persistent_buffers", "resolve_checkpoint",
-    "save_checkpoint", "verify_checkpoint", "verify_root", "write_file_atomic",
+    "resume", "save_checkpoint", "verify_checkpoint", "verify_root", "write_file_atomic",
 ]

@@ -87,6 +87,18 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     raise first_error
 
 
+def resume(model, optimizer, directory: str | os.PathLike, *, say=None) -> dict:
+    """``load_checkpoint(model, optimizer, directory)`` for a script's ``--resume``: each skipped
+    checkpoint is reported through ``say`` as one line (instead of a warning); returns the manifest."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointSkipped)
+        manifest = load_checkpoint(model, optimizer, directory)
+    for item in manifest["skipped"]:
+        if say is not None:
+            say(f"skipped checkpoint {item['path']}: {item['reason']}")
+    return manifest
+
+
 def _load_one(engine, optimizer, ckpt: Path) -> dict:
     try:
         return _load_verified(engine, optimizer, ckpt)
