@@ -126,20 +126,25 @@ class Kill:
     checkpoints_ok: bool = True
 
 
-def kill_and_resume(work: Path, steps: int, kills: int, seed: int, say=print) -> dict:
-    """The kill-and-resume series and the uninterrupted reference; returns the report."""
+def kill_and_resume(work: Path, steps: int, kills: int, seed: int, say=print, reference: Path | None = None) -> dict:
+    """The kill-and-resume series and the uninterrupted reference; returns the report.
+
+    ``reference``: the work directory of an uninterrupted run already made with ``command(steps,
+    ...)`` (``nvme``, ``ckpt``, ``log.jsonl`` inside); by default one is made first."""
     from offload.checkpoint import list_checkpoints, verify_root
 
     rng = random.Random(seed)
-    ref_dir, run_dir = work / "reference", work / "killed"
-    for d in (ref_dir, run_dir):
+    ref_dir, run_dir = reference or work / "reference", work / "killed"
+    for d in ((run_dir,) if reference else (ref_dir, run_dir)):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
     t0 = time.perf_counter()
-    run_to_end(command(steps, ref_dir / "nvme", ref_dir / "ckpt", ref_dir / "log.jsonl", resume=False))
+    if reference is None:
+        run_to_end(command(steps, ref_dir / "nvme", ref_dir / "ckpt", ref_dir / "log.jsonl", resume=False))
     ref_s = time.perf_counter() - t0
     step_s = statistics.median(r["step_s"] for r in logged_steps(ref_dir / "log.jsonl"))
-    say(f"soak: uninterrupted reference: {steps} steps in {ref_s:.1f} s (median step {step_s:.3f} s)")
+    if reference is None:
+        say(f"soak: uninterrupted reference: {steps} steps in {ref_s:.1f} s (median step {step_s:.3f} s)")
 
     nvme, ckpt, log = run_dir / "nvme", run_dir / "ckpt", run_dir / "log.jsonl"
     history: list[Kill] = []
@@ -193,7 +198,7 @@ def kill_and_resume(work: Path, steps: int, kills: int, seed: int, say=print) ->
         say(f"soak: kill {len(history)}/{kills} ({mode}{', inside a checkpoint write' if in_save else ''}) "
             f"after {k.steps_logged} step(s) of life {life}; newest checkpoint step {k.resumed_from}; "
             f"NVMe dir {'empty' if not k.nvme_left else k.nvme_left}; checkpoints verify: {k.checkpoints_ok}")
-    run_to_end(command(steps, nvme, ckpt, log, resume=True))
+    run_to_end(command(steps, nvme, ckpt, log, resume=bool(list_checkpoints(ckpt))))
     diffs = compare(final_checkpoint(ref_dir / "ckpt"), final_checkpoint(ckpt))
     report = {
         "steps": steps, "kills": [asdict(k) for k in history],
