@@ -6,7 +6,7 @@ watched.
 
 Kill-and-resume: ``scripts/finetune_100b.py --preset tiny`` (small batch, tight budgets, so the
 optimizer state lives on the NVMe tier) runs with a checkpoint after every step. The driver waits
-until the run has made progress, then ``kill -9``s it either at a random moment or just after a
+until the run has logged a random number of steps, then ``kill -9``s it at a random moment or just after a
 checkpoint write has started (a ``.tmp-*`` directory appeared: the kill lands inside the save),
 alternating. After each kill it checks that the NVMe directory holds nothing of the dead process
 and that every checkpoint left verifies, then starts the run again with ``--resume``. When it
@@ -156,12 +156,14 @@ def kill_and_resume(work: Path, steps: int, kills: int, seed: int, say=print, re
         proc = subprocess.Popen(command(steps, nvme, ckpt, log, resume=bool(have)), env=env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         mode = "in-save" if len(history) % 2 else "random"
+        # Armed after a random number of this life's steps, so the kills spread over the run.
+        arm_after = rng.randint(1, max(1, steps // (kills + 2)))
         started = None
         in_save = False
         try:
             while proc.poll() is None:
                 n = len(logged_steps(log)) - before
-                if n >= 1 and started is None:
+                if n >= arm_after and started is None:
                     started = time.perf_counter()
                     wait = rng.uniform(0.0, 2.0 * step_s)
                 if started is not None:
