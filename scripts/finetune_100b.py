@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plan", action="store_true", help="skip the planner's measurements (no fit check!)")
     p.add_argument("--json-log", metavar="FILE", help="one JSON line per step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep-nvme", action="store_true", help="leave the swap files in --nvme-path at exit")
+    p.add_argument("--keep-nvme", action="store_true",
+                   help="no effect (kept for old command lines): swap files have no name and vanish with the process")
     return p.parse_args(argv)
 
 

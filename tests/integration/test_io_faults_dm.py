@@ -265,3 +265,34 @@ def test_disk_full_before_training_is_refused_and_leaves_nothing(disk_tmp):
         finally:
             tier.close()
         assert disk.unmount()
+
+
+def test_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(disk_tmp):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_gpt import TinyGPT, batches
+
+    with FaultyDisk(disk_tmp, "loop-shrink", 16 * MiB) as disk:
+        ckpt = disk.mnt / "ckpt"
+        model = offload.wrap(TinyGPT(), offload.OffloadConfig(
+            device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
+            nvme_paths=[str(disk_tmp / "nvme")], chunk_size=8192))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        try:
+            x, y = next(batches(1))
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            first = offload.save_checkpoint(model, opt, ckpt, step=1)
+            size = sum(p.stat().st_size for p in first.iterdir())
+            st = os.statvfs(disk.mnt)
+            free = st.f_bfree * st.f_frsize                          # root may use the reserved blocks too
+            with open(disk.mnt / "hog", "wb") as f:                  # leave room for half a checkpoint
+                os.posix_fallocate(f.fileno(), 0, free - size // 2)
+            with pytest.raises(offload.NvmeIOError) as info:
+                offload.save_checkpoint(model, opt, ckpt, step=2)
+            assert info.value.errno == errno.ENOSPC and "\n" not in str(info.value)
+            assert str(ckpt) in info.value.path
+            assert sorted(p.name for p in ckpt.iterdir()) == ["latest", first.name]     # no step-2, no temp dir
+            assert offload.load_checkpoint(model, opt, ckpt)["step"] == 1
+        finally:
+            model.offload_engine.close()
