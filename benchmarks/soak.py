@@ -221,16 +221,16 @@ def _proc_sample(pid: int, nvme: Path) -> dict | None:
         fds = os.listdir(f"/proc/{pid}/fd")
     except (OSError, StopIteration):
         return None
-    swaps, swap_bytes = 0, 0
+    swaps: dict[tuple[int, int], int] = {}      # each swap file once, however many descriptors hold it
     for fd in fds:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith(str(nvme)):
-                swaps += 1
-                swap_bytes += os.stat(f"/proc/{pid}/fd/{fd}").st_size
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(nvme)):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                swaps[(st.st_dev, st.st_ino)] = st.st_blocks * 512
         except OSError:
             continue
-    return {"rss": rss, "fds": len(fds), "swap_fds": swaps, "swap_bytes": swap_bytes, "nvme_names": len(nvme_names(nvme))}
+    return {"rss": rss, "fds": len(fds), "swap_fds": len(swaps), "swap_bytes": sum(swaps.values()),
+            "nvme_names": len(nvme_names(nvme))}
 
 
 def leak_check(work: Path, steps: int, say=print) -> dict:
@@ -248,7 +248,7 @@ def leak_check(work: Path, steps: int, say=print) -> dict:
         while proc.poll() is None:
             step = len(logged_steps(log))
             s = _proc_sample(proc.pid, nvme)
-            if s is not None and step:
+            if s is not None and 0 < step < steps:       # training, not start-up or shutdown
                 samples.append({"step": step, **s})
             time.sleep(0.5)
         proc.wait()
@@ -279,13 +279,13 @@ def leak_check(work: Path, steps: int, say=print) -> dict:
                        and verdict["nvme_names_after"] == 0)
     steps_s = [r["step_s"] for r in logged_steps(log)]
     by_step = []
-    for mark in sorted({min(steps, m) for m in (1, *range(100, steps + 1, 100), steps)}):
+    for mark in sorted({min(steps - 1, m) for m in (1, *range(100, steps + 1, 100), steps)}):
         near = min(samples, key=lambda s: abs(s["step"] - mark))
         by_step.append({k: near[k] for k in ("step", "rss", "fds", "swap_fds", "swap_bytes", "nvme_names")})
     say(f"soak: leak check, {steps} steps in {elapsed:.0f} s (median step {statistics.median(steps_s):.3f} s):")
     for row in by_step:
         say(f"  step {row['step']:>5}: RSS {row['rss'] / 2**20:7.1f} MiB  fds {row['fds']:>3}  "
-            f"swap files open {row['swap_fds']} ({row['swap_bytes'] / 2**20:.1f} MiB)  "
+            f"swap files {row['swap_fds']} ({row['swap_bytes'] / 2**20:.1f} MiB on disk)  "
             f"names in NVMe dir {row['nvme_names']}")
     say(f"soak: RSS {verdict['rss_early'] / 2**20:.1f} -> {verdict['rss_late'] / 2**20:.1f} MiB "
         f"({100 * growth:+.1f} %), fds {verdict['fds_early']} -> {verdict['fds_late']}, "

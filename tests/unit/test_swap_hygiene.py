@@ -83,8 +83,8 @@ def test_unlinked_striped_round_trip(dirs, pages, unit_pages, at, n):
                 assert torch.equal(back, src)
         finally:
             f.close()
-        with pytest.raises(offload.NvmeIOError):       # a closed file is an error, not a read of fd -1
-            AsyncIO(AioConfig(backend="threads")).read(torch.zeros(4096, dtype=torch.uint8), f, 0)
+        with AsyncIO(AioConfig(backend="threads")) as io, pytest.raises(offload.NvmeIOError, match="closed"):
+            io.read(torch.zeros(4096, dtype=torch.uint8), f, 0)   # a closed file is an error, not fd -1
     finally:
         shutil.rmtree(root)
 
