@@ -75,9 +75,11 @@ class FileTable:
             try:
                 fd = os.open(f"/proc/self/fd/{base_fd}", flags)
             except OSError as exc:
-                if exc.errno == errno.EINVAL and direct:
-                    raise native.io_error(errno.EINVAL, path, offset, length,
-                                          "the filesystem refuses O_DIRECT") from None
+                if exc.errno in (errno.EINVAL, errno.ENOENT) and direct:
+                    # EINVAL like any O_DIRECT refusal, so callers fall back to buffered I/O.
+                    why = ("the filesystem refuses O_DIRECT" if exc.errno == errno.EINVAL
+                           else "no /proc to reopen it with O_DIRECT")
+                    raise native.io_error(errno.EINVAL, path, offset, length, why) from None
                 if exc.errno != errno.ENOENT or direct:
                     raise native.io_error(exc.errno or errno.EIO, path, offset, length,
                                           "reopening an unlinked swap file") from None
