@@ -25,11 +25,11 @@ from tiny_gpt import TinyGPT, batches  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(nvme, seed=0, dtype="bf16", **model_kw):
+def build(nvme, seed=0, dtype="bf16", chunk_size=8192, **model_kw):
     torch.manual_seed(seed)
     model = offload.wrap(TinyGPT(**model_kw), offload.OffloadConfig(
         device="cpu", dtype=dtype, device_budget="192KiB", cpu_budget="256KiB", nvme_paths=[str(nvme)],
-        chunk_size=8192))
+        chunk_size=chunk_size))
     return model, offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -138,6 +138,9 @@ def test_incompatible_checkpoint_is_an_error_not_a_fallback(saved):
         fp32, fp32_opt = build(nvme, dtype="fp32")
         with pytest.raises(offload.ConfigError, match="dtype"):
             offload.load_checkpoint(fp32, fp32_opt, ckpt)
+        small, small_opt = build(nvme, chunk_size=4096)
+        with pytest.raises(offload.ConfigError, match="different chunk layout"):
+            offload.load_checkpoint(small, small_opt, ckpt)
 
 
 def test_verify_command_summary(saved, capsys):
