@@ -37,6 +37,7 @@ def _wait_for(pred, timeout=120.0, proc=None):
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_143_and_resume_is_identical(soak, reference_run, disk_tmp):
     reference, steps = reference_run
     nvme, ckpt, log = disk_tmp / "nvme", disk_tmp / "ckpt", disk_tmp / "log.jsonl"

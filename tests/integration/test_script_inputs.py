@@ -14,6 +14,7 @@ import pytest
 
 import offload
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -4,6 +4,9 @@ and no kill leaves anything in the NVMe directory or a checkpoint that does not 
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow
 
 def test_two_kills_end_bit_identical(soak, reference_run, disk_tmp):
     reference, steps = reference_run
