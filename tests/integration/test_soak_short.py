@@ -8,6 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+
 def test_two_kills_end_bit_identical(soak, reference_run, disk_tmp):
     reference, steps = reference_run
     report = soak.kill_and_resume(disk_tmp, steps, kills=2, seed=1, say=lambda m: None, reference=reference)
