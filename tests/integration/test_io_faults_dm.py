@@ -41,8 +41,12 @@ MiB = 1 << 20
 _names = itertools.count()
 
 
+# dmsetup makes its device nodes itself instead of waiting for a udev that containers lack.
+DM_ENV = {**os.environ, "DM_DISABLE_UDEV": "1"}
+
+
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=60, env=DM_ENV)
 
 
 def _dm_unavailable() -> str | None:
@@ -209,7 +213,7 @@ def test_eio_mid_step_is_named_bounded_and_recoverable(disk_tmp, mechanism, wher
         done = subprocess.run([sys.executable, "-c", SCENARIO, str(ROOT / "tests"), str(disk.mnt), str(ckpt),
                                json.dumps(disk.fail_command()), where],
                               capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                              env={**DM_ENV, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]          # no abort
         out = json.loads(done.stdout.strip().splitlines()[-1])
         err = out["error"]
