@@ -326,15 +326,10 @@ def _gpu_tflops(cuda, dtype: str) -> float:
 def _pcie_gbps(cuda) -> float:
     """min(H2D, D2H) of a 256 MiB copy, GB/s, from host memory pinned the way the engine pins its
     CPU tier (mmap + cudaHostRegister)."""
-    import torch
+    from .bench import pcie
 
-    from .aio import aligned_empty
-
-    host = aligned_empty(256 << 20, torch.uint8, pin=True, populate=True)
-    dev = torch.empty_like(host, device="cuda")
-    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), sync=cuda.synchronize)
-    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), sync=cuda.synchronize)
-    return host.numel() / max(h2d, d2h) / 1e9
+    rates = pcie.measure()
+    return min(rates["h2d_gbps"], rates["d2h_gbps"])
 
 
 def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,

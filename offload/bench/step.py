@@ -12,13 +12,17 @@ without overlap (slightly pessimistic against a long run). The report is the med
 breakdown from ``model.offload_stats()`` (medians per step), and the lower bound measured in the
 same run::
 
-    bound = max(compute, NVMe reads / read GB/s + NVMe writes / write GB/s, params / Adam roofline)
+    bound = max(compute, PCIe, NVMe reads / read GB/s + NVMe writes / write GB/s, params / Adam roofline)
+    PCIe  = max(host->device bytes / H2D GB/s, device->host bytes / D2H GB/s)    (on CUDA; 0 on CPU)
 
 * compute: the same model's forward + backward in plain PyTorch (bf16, same batch, no offload),
   each timed right next to one offloaded step, alternating which goes first (the machine drifts);
 * NVMe: ``offload.bench.nvme.measure`` on the same directory with the engine's AioConfig, one
   pass beside each sample as the compute timing is (median); reads and writes share one device,
   so their times add;
+* PCIe (CUDA only): the step's chunk bytes into and out of the device tier (``moved_bytes``), each
+  direction over its rate from ``offload.bench.pcie.measure`` (host memory pinned as the engine
+  pins its CPU tier); the two directions run on separate copy engines, so the larger counts;
 * Adam: ``offload.bench.adam.measure``'s roofline loop (Adam's own 4-read/3-write streams, bf16
   gradient, bf16 copy written, as the engine's step) for the model's parameter count.
 
@@ -32,7 +36,10 @@ The "everything fits in memory" comparison wraps the same model with budgets lar
 and no NVMe tier, and alternates its steps with plain PyTorch doing the same mixed-precision update
 a PyTorch user would write: bf16 model, fp32 master copy, gradients copied to fp32,
 ``torch.optim.AdamW`` (fused where the build has it, else foreach), new values copied back to
-bf16. ``ratio`` = torch step time / offload step time, i.e. offload's relative throughput.
+bf16 — on a GPU that update runs on the GPU, while offload's runs on the CPU beside the GPU's
+compute. ``ratio`` = torch step time / offload step time, i.e. offload's relative throughput.
+``--batch-curve 512,2048,8192`` repeats that comparison at each batch size (tokens per step):
+the ratio approaches 1 as compute grows to hide the host side.
 
 The swap files and the NVMe probe file live in a private subdirectory of ``--path`` that is removed
 on exit, also on Ctrl-C or SIGTERM.
@@ -51,6 +58,7 @@ import time
 from ..config import AioConfig, OffloadConfig, parse_bytes
 from ..errors import ConfigError, OffloadError
 from .common import scratch_dir, write_json
+from .pcie import pcie_bytes
 
 BYTES_PER_PARAM = 14          # bf16 param + fp32 master + exp_avg + exp_avg_sq (DESIGN.md)
 MIN_STATE_OVER_CPU = 4        # the issue's "total state >= 4x the CPU budget"
@@ -78,24 +86,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compute device (default auto: cuda when available)")
     parser.add_argument("--nvme-size", default="256M", help="bytes the NVMe probe writes and reads (default 256M)")
     parser.add_argument("--no-in-memory", action="store_true", help="skip the everything-in-memory comparison")
+    parser.add_argument("--batch-curve", default=None, metavar="TOKENS,...",
+                        help="also compare in memory at each of these tokens/step, e.g. 512,2048,8192")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
 
 
 # ---- arithmetic (pure, tested) ----------------------------------------------------------------
 
 def step_bound(compute_s: float, nvme_read_bytes: int, nvme_write_bytes: int, read_gbps: float | None,
-               write_gbps: float | None, params: int, adam_params_per_s: float) -> dict:
-    """The lower bound of a step and its three terms (seconds)."""
-    def io(nbytes, gbps):
+               write_gbps: float | None, params: int, adam_params_per_s: float, *, h2d_bytes: int = 0,
+               d2h_bytes: int = 0, h2d_gbps: float | None = None, d2h_gbps: float | None = None) -> dict:
+    """The lower bound of a step and its four terms (seconds)."""
+    def io(nbytes, gbps, what):
         if not nbytes:
             return 0.0
         if not gbps:
-            raise BenchStepError(f"{nbytes} bytes moved to or from NVMe but its bandwidth was not measured")
+            raise BenchStepError(f"{nbytes} bytes moved {what} but its bandwidth was not measured")
         return nbytes / (gbps * 1e9)
 
-    nvme_s = io(nvme_read_bytes, read_gbps) + io(nvme_write_bytes, write_gbps)
+    nvme_s = io(nvme_read_bytes, read_gbps, "from NVMe") + io(nvme_write_bytes, write_gbps, "to NVMe")
+    # Each direction has its own copy engine: the slower direction bounds, not the sum.
+    pcie_s = max(io(h2d_bytes, h2d_gbps, "host to device"), io(d2h_bytes, d2h_gbps, "device to host"))
     adam_s = params / adam_params_per_s
-    terms = {"compute_s": compute_s, "nvme_s": nvme_s, "adam_s": adam_s}
+    terms = {"compute_s": compute_s, "pcie_s": pcie_s, "nvme_s": nvme_s, "adam_s": adam_s}
     bottleneck = max(terms, key=terms.get)
     return {**terms, "bound_s": terms[bottleneck], "bottleneck": bottleneck.removesuffix("_s")}
 
@@ -128,6 +141,8 @@ def _breakdown(stats: list[dict]) -> dict:
         "bytes_per_step": sum(moved.values()),
         "nvme_read_bytes": sum(n for d, n in moved.items() if d.startswith("nvme->")),
         "nvme_write_bytes": sum(n for d, n in moved.items() if d.endswith("->nvme")),
+        "h2d_bytes": pcie_bytes(moved)[0],
+        "d2h_bytes": pcie_bytes(moved)[1],
     }
 
 
@@ -270,7 +285,8 @@ def _say(msg: str, quiet: bool) -> None:
 def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", steps: int = 10,
             warmup: int = 3, batch_tokens: int = 512, cpu_budget=None, device_budget=None,
             device: str = "auto", nvme_size="256M", replay_repeats: int = 3, adam_repeats: int = 3,
-            in_memory: bool = True, quiet: bool = True, lr: float = 1e-4) -> dict:
+            in_memory: bool = True, quiet: bool = True, lr: float = 1e-4,
+            batch_curve: list[int] | None = None) -> dict:
     """Run the benchmark; returns the JSON dict described in the module doc.
 
     ``path`` must exist (the command creates it); everything written under it is removed before
@@ -287,6 +303,9 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
     for name, value, lo in (("steps", steps, 1), ("warmup", warmup, 1), ("batch_tokens", batch_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ConfigError(name, value, f"must be an integer >= {lo}")
+    for value in batch_curve or ():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("batch_curve", value, "each entry must be an integer >= 1 (tokens per step)")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
@@ -372,18 +391,27 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         adam = adam_bench.measure(params=params, threads=threads, grad_dtype="bf16", out_dtype="bf16",
                                   repeats=adam_repeats, with_torch=False, levels=[simd_level()])
         roof = adam["results"]["roofline"]["params_per_s"]
+        pcie = None
+        if device == "cuda":
+            from . import pcie as pcie_bench
+
+            _say("PCIe: 256 MiB copies each way from engine-pinned host memory", quiet)
+            pcie = pcie_bench.measure()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     breakdown = _breakdown(stats)
     compute_s = statistics.median(compute_times)
     bound = step_bound(compute_s, breakdown["nvme_read_bytes"], breakdown["nvme_write_bytes"],
-                       nvme["read_gbps"], nvme["write_gbps"], params, roof)
+                       nvme["read_gbps"], nvme["write_gbps"], params, roof,
+                       h2d_bytes=breakdown["h2d_bytes"], d2h_bytes=breakdown["d2h_bytes"],
+                       h2d_gbps=pcie and pcie["h2d_gbps"], d2h_gbps=pcie and pcie["d2h_gbps"])
     step_s = statistics.median(step_times)
     breakdown.update(bound)
     breakdown.update({
         "nvme_read_gbps": nvme["read_gbps"], "nvme_write_gbps": nvme["write_gbps"],
         "nvme_backend": nvme["backend"], "adam_roofline_params_per_s": roof,
+        "pcie_h2d_gbps": pcie and round(pcie["h2d_gbps"], 2), "pcie_d2h_gbps": pcie and round(pcie["d2h_gbps"], 2),
         "adam_offload_params_per_s": adam["results"]["offload"]["params_per_s"],
         "step_times_s": [round(t, 4) for t in step_times],
         "compute_times_s": [round(t, 4) for t in compute_times],
@@ -400,16 +428,24 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         "step_s": step_s, "bound_s": bound["bound_s"], "bound_ratio": step_s / bound["bound_s"],
         "breakdown": breakdown, "in_memory": None,
     }
-    del ref_model
+    ref_model = None        # free the reference before the in-memory models are built
     if in_memory:
         _say(f"in memory: offload vs torch AdamW, {warmup} + {steps} alternating steps", quiet)
         summary, detail = _in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
         report["in_memory"] = summary
         breakdown["in_memory"] = detail
+    if batch_curve:
+        curve = []
+        for tokens in batch_curve:
+            _say(f"in memory at {tokens} tokens/step", quiet)
+            summary, _ = _in_memory(preset, device, _batch(cfg, tokens, device), state_bytes, steps, warmup, lr)
+            curve.append({"batch_tokens": tokens, **summary})
+        report["batch_curve"] = curve
     return report
 
 
-def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warmup: int, lr: float) -> dict:
+def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warmup: int,
+               lr: float) -> tuple[dict, dict]:
     import offload
 
     big = 2 * state_bytes + (256 << 20)
@@ -455,12 +491,29 @@ def _fmt(x, unit="s") -> str:
     return f"{x * 1e3:.1f} ms" if unit == "s" and x < 1 else f"{x:.3f} {unit}".rstrip()
 
 
+def parse_batch_curve(text: str | None) -> list[int] | None:
+    """"512,2048" -> [512, 2048]; a bad entry is a ConfigError naming it."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise ConfigError("--batch-curve", part.strip(), "must be comma-separated integers (tokens per step)") from None
+        if value < 1:
+            raise ConfigError("--batch-curve", value, "each entry must be >= 1 (tokens per step)")
+        out.append(value)
+    return out
+
+
 def run(args) -> int:
     with scratch_dir(args.path, remove_tree=True) as path:
         report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
                          batch_tokens=args.batch_tokens, cpu_budget=args.cpu_budget,
                          device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
-                         in_memory=not args.no_in_memory, quiet=False)
+                         in_memory=not args.no_in_memory, quiet=False,
+                         batch_curve=parse_batch_curve(args.batch_curve))
     _print(report)
     write_json(args.json, report)
     return 0
@@ -473,7 +526,8 @@ def _print(r: dict) -> None:
           f"on {r['device']}, CPU budget {r['cpu_budget'] / 1e6:.0f} MB "
           f"({r['state_bytes'] / r['cpu_budget']:.1f}x smaller), {run['batch_tokens']} tokens/step")
     print(f"step        {_fmt(r['step_s'])}  (median of {run['steps']} samples of {STEPS_PER_SAMPLE} steps)")
-    print(f"bound       {_fmt(r['bound_s'])}  = max(compute {_fmt(b['compute_s'])}, NVMe {_fmt(b['nvme_s'])}, "
+    pcie = f"PCIe {_fmt(b['pcie_s'])}, " if b.get("pcie_h2d_gbps") else ""
+    print(f"bound       {_fmt(r['bound_s'])}  = max(compute {_fmt(b['compute_s'])}, {pcie}NVMe {_fmt(b['nvme_s'])}, "
           f"Adam {_fmt(b['adam_s'])}); bottleneck: {b['bottleneck']}")
     print(f"step/bound  {r['bound_ratio']:.2f}  (target <= 1.2)")
     hits = "-" if b["prefetch_hit_rate"] is None else f"{100 * b['prefetch_hit_rate']:.0f}%"
@@ -487,9 +541,15 @@ def _print(r: dict) -> None:
               f"replay/bound {b['nvme_replay_s'] / r['bound_s']:.2f}")
     print(f"measured    NVMe read {b['nvme_read_gbps']} GB/s, write {b['nvme_write_gbps']} GB/s "
           f"({b['nvme_backend']}); Adam roofline {b['adam_roofline_params_per_s'] / 1e9:.2f} G params/s")
+    if b.get("pcie_h2d_gbps"):
+        print(f"PCIe        H2D {b['pcie_h2d_gbps']} GB/s, D2H {b['pcie_d2h_gbps']} GB/s; this step moved "
+              f"{b['h2d_bytes'] / 1e6:.0f} MB up, {b['d2h_bytes'] / 1e6:.0f} MB down")
     m = r["in_memory"]
     if m:
         print(f"in memory   offload {_fmt(m['offload_step_s'])}, torch {_fmt(m['torch_step_s'])}: "
               f"{m['ratio']:.2f}x torch's throughput (target >= 0.9; {b['in_memory']['torch_optimizer']})")
+    for point in r.get("batch_curve") or ():
+        print(f"curve       {point['batch_tokens']:>6} tokens/step: offload {_fmt(point['offload_step_s'])}, "
+              f"torch {_fmt(point['torch_step_s'])}: {point['ratio']:.2f}x")
     for note in run["notes"]:
         print(f"note: {note}")

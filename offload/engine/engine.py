@@ -28,6 +28,7 @@ from ..lazy import lazy_record
 from ..scheduler import TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
 from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes
+from ..tiers.gpu_timeline import GpuTimeline
 from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
 from .gradients import GradCapture
@@ -87,6 +88,9 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         if self.device.type == "cuda":
             # The compute stream is the one current now (and again at each forward's start).
             self.store.streams = DeviceStreams(self.device)
+        # With tracing on a GPU, the trace also shows when kernels and copies ran (not only queued).
+        self.gpu_timeline = (GpuTimeline(self.store.streams, self.tracer)
+                             if self.store.streams is not None and self.tracer.enabled else None)
         self.store.tracer = self.tracer
         self.store.urgent_kinds = frozenset({"param"})
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
@@ -205,6 +209,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
 
     # ---- statistics --------------------------------------------------------------------------
     def _finish_step_stats(self, applied: bool) -> None:
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.resolve()
         totals = self.tracer.take_totals()
         hits, misses = self.prefetcher.hits, self.prefetcher.misses
         self.last_stats = {

@@ -114,6 +114,8 @@ class ModuleHooks:
                 self.called_within[outer].add(module)
         self.active.append(module)
         self.fwd_pinned.append((module, chunks, time.perf_counter()))
+        if self.gpu_timeline is not None:
+            self.gpu_timeline.start(("forward", module))
 
     def _post_forward(self, module: nn.Module, args, output):
         if self.in_backward:
@@ -124,6 +126,8 @@ class ModuleHooks:
                 if self.tracer.enabled:
                     self.tracer.complete(f"forward {type(module).__name__}", "compute", started,
                                          time.perf_counter(), "compute")
+                if self.gpu_timeline is not None:
+                    self.gpu_timeline.stop(("forward", module), f"forward {type(module).__name__}")
                 break
         else:
             chunks = []
@@ -207,7 +211,10 @@ class ModuleHooks:
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
             self.bwd_remaining[module] = self.grad_counts[module]
-        self.bwd_started.setdefault(module, time.perf_counter())
+        if module not in self.bwd_started:
+            self.bwd_started[module] = time.perf_counter()
+            if self.gpu_timeline is not None:
+                self.gpu_timeline.start(("backward", module))
 
     def _begin_backward(self) -> None:
         self.in_backward = True
@@ -224,6 +231,8 @@ class ModuleHooks:
         if started is not None and self.tracer.enabled:
             self.tracer.complete(f"backward {type(module).__name__}", "compute", started,
                                  time.perf_counter(), "compute")
+        if started is not None and self.gpu_timeline is not None:
+            self.gpu_timeline.stop(("backward", module), f"backward {type(module).__name__}")
         for _ in range(self.bwd_pins.pop(module, 0)):
             for c in self.module_chunks[module]:
                 self.params.unpin(c)

@@ -93,8 +93,10 @@ def test_in_place_changes_to_outputs_train_like_torch(disk_tmp):
             losses.append(total.item())
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     got = model.state_dict()
+    # Adam normalizes each update (m / sqrt(v)): where a gradient is all rounding noise, the SIMD
+    # kernel's and torch's different summation orders move a weight by up to ~lr * 1e-3.
     for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=5e-5)
     model.offload_engine.close()
 
 

@@ -27,6 +27,39 @@ def test_bound_is_the_largest_term():
     assert b["bottleneck"] == "adam" and b["bound_s"] == pytest.approx(1.0)
 
 
+def test_pcie_term_is_the_slower_direction_not_the_sum():
+    b = bench_step.step_bound(0.1, 0, 0, None, None, 10, 1e9, h2d_bytes=20_000_000_000, d2h_bytes=10_000_000_000,
+                              h2d_gbps=25.0, d2h_gbps=10.0)
+    assert b["pcie_s"] == pytest.approx(1.0)          # max(0.8 up, 1.0 down)
+    assert b["bottleneck"] == "pcie" and b["bound_s"] == pytest.approx(1.0)
+    assert bench_step.step_bound(0.1, 0, 0, None, None, 10, 1e9)["pcie_s"] == 0   # CPU: no bus
+    with pytest.raises(bench_step.BenchStepError, match="host to device"):
+        bench_step.step_bound(0.1, 0, 0, None, None, 10, 1e9, h2d_bytes=1)
+
+
+def test_pcie_bytes_split_by_direction():
+    from offload.bench.pcie import pcie_bytes
+
+    moved = {"cpu->device": 300, "nvme->device": 20, "device->cpu": 100, "device->nvme": 5,
+             "nvme->cpu": 7000, "cpu->nvme": 9000}
+    assert pcie_bytes(moved) == (320, 105)
+    assert pcie_bytes({"nvme->cpu": 1}) == (0, 0)
+
+
+def test_breakdown_carries_pcie_bytes():
+    b = bench_step._breakdown([{"moved_bytes": {"cpu->device": 10, "device->cpu": 4, "nvme->cpu": 2}}])
+    assert (b["h2d_bytes"], b["d2h_bytes"], b["nvme_read_bytes"]) == (10, 4, 2)
+
+
+def test_batch_curve_parsing():
+    assert bench_step.parse_batch_curve("512, 2048,8192") == [512, 2048, 8192]
+    assert bench_step.parse_batch_curve(None) is None
+    with pytest.raises(ConfigError, match="--batch-curve"):
+        bench_step.parse_batch_curve("512,lots")
+    with pytest.raises(ConfigError, match="--batch-curve"):
+        bench_step.parse_batch_curve("0")
+
+
 def test_bytes_without_a_bandwidth_is_an_error():
     with pytest.raises(bench_step.BenchStepError):
         bench_step.step_bound(1.0, 1, 0, None, 1.0, 1, 1.0)
@@ -79,12 +112,14 @@ def test_short_run_json_schema(tmp_path, monkeypatch):
 
     rc = main(["bench", "step", "--path", str(nvme_dir), "--preset", "micro", "--steps", "2", "--warmup", "1",
                "--batch-tokens", "128", "--cpu-budget", "2MiB", "--device-budget", "1MiB",
-               "--nvme-size", "4M", "--json", str(out)])
+               "--nvme-size", "4M", "--batch-curve", "64", "--json", str(out)])
     assert rc == 0
     assert not nvme_dir.exists()           # created for the run, removed with its files
     r = json.loads(out.read_text())
     assert set(r) == {"device", "params", "state_bytes", "cpu_budget", "step_s", "bound_s", "bound_ratio",
-                      "breakdown", "in_memory"}
+                      "breakdown", "in_memory", "batch_curve"}
+    (point,) = r["batch_curve"]
+    assert point["batch_tokens"] == 64 and point["ratio"] == pytest.approx(point["torch_step_s"] / point["offload_step_s"])
     assert r["device"] in ("cpu", "cuda")
     assert r["state_bytes"] == 14 * r["params"] and r["cpu_budget"] == 2 * MIB
     b = r["breakdown"]
@@ -92,7 +127,11 @@ def test_short_run_json_schema(tmp_path, monkeypatch):
                 "bytes_per_step", "compute_s", "nvme_s", "adam_s"):
         assert key in b
     assert b["nvme_read_bytes"] > 0 and b["nvme_write_bytes"] > 0   # the state went through NVMe
-    assert r["bound_s"] == pytest.approx(max(b["compute_s"], b["nvme_s"], b["adam_s"]))
+    assert r["bound_s"] == pytest.approx(max(b["compute_s"], b["pcie_s"], b["nvme_s"], b["adam_s"]))
+    if r["device"] == "cpu":
+        assert b["pcie_s"] == 0 and b["h2d_bytes"] == b["d2h_bytes"] == 0
+    else:
+        assert b["h2d_bytes"] > 0 and b["pcie_h2d_gbps"] > 0
     assert r["bound_ratio"] == pytest.approx(r["step_s"] / r["bound_s"])
     assert b["nvme_s"] == pytest.approx(b["nvme_read_bytes"] / (b["nvme_read_gbps"] * 1e9)
                                         + b["nvme_write_bytes"] / (b["nvme_write_gbps"] * 1e9))
