@@ -30,6 +30,10 @@ def __getattr__(name):
         from . import checkpoint
 
         return getattr(checkpoint, name)
+    if name in ("on_preempt", "Preemption"):
+        from . import preempt
+
+        return getattr(preempt, name)
     if name in ("export_safetensors", "load_safetensors"):
         from . import weights
 
@@ -59,6 +63,7 @@ __all__ = [
     "parse_bytes",
     "save_checkpoint",
     "load_checkpoint",
+    "on_preempt",
     "export_safetensors",
     "load_safetensors",
 ]

@@ -1,4 +1,4 @@
-"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``.
+"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``, ``checkpoint verify``.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up and turns user mistakes
@@ -18,6 +18,9 @@ from .errors import OffloadError
 COMMANDS = {
     "doctor": ("offload.doctor", "check this machine: torch, CUDA, SIMD, libaio, O_DIRECT, memory"),
     "plan": ("offload.planner_cli", "predict memory, disk and step time for a model on this box"),
+}
+CHECKPOINT_COMMANDS = {
+    "verify": ("offload.checkpoint.verify", "check every checksum of the checkpoints in DIR (exit 1 on corruption)"),
 }
 BENCH_COMMANDS = {
     "nvme": ("offload.bench.nvme", "NVMe throughput through the engine (and fio beside it)"),
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.required = True
     for name, (module, help_text) in BENCH_COMMANDS.items():
         _add(bench_sub, name, module, help_text)
+    ckpt = sub.add_parser("checkpoint", help="checkpoints: verify", description="checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint", metavar="ACTION")
+    ckpt_sub.required = True
+    for name, (module, help_text) in CHECKPOINT_COMMANDS.items():
+        _add(ckpt_sub, name, module, help_text)
     return parser
 
 

@@ -11,7 +11,10 @@ The JSON schema (``--json``) is stable; version it with ``schema`` when it chang
   "memory": {"total_bytes": int, "available_bytes": int, "memlock_bytes": int|null},   # null = unlimited
   "native": {"version": str, "libaio": bool, "simd_level": str, ...},
   "path": null | {"path": str, "exists": bool, "o_direct": bool, "o_direct_reason": str,
-                  "filesystem": str, "free_bytes": int, "io_backend": "libaio"|"threads"},
+                  "filesystem": str, "free_bytes": int, "io_backend": "libaio"|"threads",
+                  "leftovers": [{"path": str, "kind": "swap file"|"private dir", "bytes": int,
+                                 "pid": int|null, "in_use": bool, "removed": bool}],
+                  "leftover_bytes": int},   # disk held by leftovers not in use
   "findings": [{"level": "ok"|"warn"|"error", "topic": str, "message": str}]
 }
 """
@@ -36,6 +39,9 @@ PINNED_PROBE_BYTES = 256 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", help="directory you would give as nvme_paths: checks O_DIRECT and free space")
+    parser.add_argument("--clean", action="store_true",
+                        help="with --path: remove the leftovers of dead runs it reports (swap files of older "
+                             "versions that no process has open, private directories of dead processes)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON (stable schema)")
     parser.add_argument("--pinned-bytes", default=str(PINNED_PROBE_BYTES),
                         help="size of the pinned-buffer probe when CUDA is present (default 256M)")
@@ -44,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .config import parse_bytes
 
-    report = diagnose(args.path, pinned_bytes=parse_bytes(args.pinned_bytes, "--pinned-bytes"))
+    if args.clean and not args.path:
+        raise ConfigError("--clean", True, "needs --path DIR")
+    report = diagnose(args.path, pinned_bytes=parse_bytes(args.pinned_bytes, "--pinned-bytes"), clean=args.clean)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -52,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def diagnose(path: str | None = None, *, pinned_bytes: int = PINNED_PROBE_BYTES) -> dict:
-    """Collect every fact and verdict. Raises ConfigError when ``path`` does not exist."""
+def diagnose(path: str | None = None, *, pinned_bytes: int = PINNED_PROBE_BYTES, clean: bool = False) -> dict:
+    """Collect every fact and verdict. Raises ConfigError when ``path`` does not exist.
+    ``clean``: remove the leftovers of dead runs found in ``path``."""
     if path is not None and not Path(path).is_dir():
         what = "is not a directory" if Path(path).exists() else "does not exist"
         raise ConfigError("--path", path, what)
@@ -64,6 +73,8 @@ def diagnose(path: str | None = None, *, pinned_bytes: int = PINNED_PROBE_BYTES)
     report["cpu"] = _cpu_facts(report["native"])
     report["memory"] = _memory_facts(findings, report["cuda"]["available"])
     report["path"] = _path_facts(path, report["native"], findings) if path is not None else None
+    if path is not None:
+        report["path"].update(_leftover_facts(path, findings, clean))
     report["findings"] = findings
     report["ok"] = not any(f["level"] == "error" for f in findings)
     return report
@@ -225,6 +236,32 @@ def _path_facts(path: str, native: dict, findings: list) -> dict:
          + ("" if level == "ok" else ": little room for offloaded state (a 1B model needs ~15 GB)"))
     return {"path": str(path), "exists": True, "writable": writable, "o_direct": ok, "o_direct_reason": reason,
             "filesystem": fstype, "free_bytes": int(free), "io_backend": backend}
+
+
+def _leftover_facts(path: str, findings: list, clean: bool) -> dict:
+    """Swap files of older versions and private directories of crashed runs, with their sizes."""
+    from .tiers.swapfiles import find_leftovers, reclaim_stale
+
+    found = find_leftovers(path)
+    removed = {item.path for item in reclaim_stale(path, old_swap_files=True)} if clean else set()
+    items = [{"path": f.path, "kind": f.kind, "bytes": f.nbytes, "pid": f.pid, "in_use": f.in_use,
+              "removed": f.path in removed} for f in found]
+    stale = [f for f in found if not f.in_use and f.path not in removed]
+    held = sum(f.nbytes for f in stale)
+    for f in found:
+        if f.path in removed:
+            _say(findings, "ok", "leftovers", f"removed {f.kind} {f.path} ({_gib(f.nbytes)})")
+    if stale:
+        listed = ", ".join(f"{f.path} ({_gib(f.nbytes)})" for f in stale[:5])
+        more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+        _say(findings, "warn", "leftovers",
+             f"{len(stale)} leftover swap file(s)/directories of dead runs hold {_gib(held)} in {path}: "
+             f"{listed}{more}; `offload doctor --path {path} --clean` removes them")
+    elif not removed:
+        busy = [f for f in found if f.in_use]
+        _say(findings, "ok", "leftovers", f"no leftover swap files in {path}"
+             + (f" ({len(busy)} in use by running processes)" if busy else ""))
+    return {"leftovers": items, "leftover_bytes": int(held)}
 
 
 def _gib(n: int) -> str:

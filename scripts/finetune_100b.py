@@ -22,6 +22,12 @@ Presets (parameters, from scratch): tiny 2.97 M, small 23.7 M, 1b 1.10 B, 7b 6.7
 {"text"}, {"prompt", "completion"} (loss on the completion only) or {"messages"} (the tokenizer's
 chat template; loss on the assistant turns only); by default the small corpus in scripts/data/.
 Tokens are bytes unless there is a tokenizer (--tokenizer DIR or the --model directory's).
+
+Preemption: SIGTERM or SIGINT (Ctrl-C) finishes the step in flight, writes a checkpoint to
+--checkpoint-dir and exits with status 143 (SIGTERM) or 130 (SIGINT); a second signal exits at
+once with the same status, leaving the previous checkpoint intact. `--resume` then continues
+from it; a checkpoint that does not verify is skipped (with a line saying which and why) for
+the newest one that does. Exit status 1: a one-line error (bad input, I/O failure).
 """
 
 from __future__ import annotations
@@ -67,12 +73,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-checkpointing", action="store_true", help="turn activation checkpointing off")
     p.add_argument("--checkpoint-dir", help="where to write checkpoints")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="keep the newest K checkpoints (default 2; a resume falls back to an older one "
+                        "when the newest does not verify)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     p.add_argument("--no-plan", action="store_true", help="skip the planner's measurements (no fit check!)")
     p.add_argument("--json-log", metavar="FILE", help="one JSON line per step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep-nvme", action="store_true", help="leave the swap files in --nvme-path at exit")
+    p.add_argument("--keep-nvme", action="store_true",
+                   help="no effect (kept for old command lines): swap files have no name and vanish with the process")
     return p.parse_args(argv)
 
 
@@ -95,6 +105,12 @@ def check_args(args) -> None:
         raise ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume", True, "needs --checkpoint-dir")
+    if args.keep_checkpoints < 1:
+        raise ConfigError("--keep-checkpoints", args.keep_checkpoints, "must be >= 1")
+    if args.tokenizer:
+        from offload.tokenizer_files import check_tokenizer_dir
+
+        check_tokenizer_dir(args.tokenizer)
     if args.output:
         from offload.hf.export import max_shard_bytes
 
@@ -298,9 +314,9 @@ def main(argv=None) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     start_step = 0
     if args.resume:
-        from offload.checkpoint import load_checkpoint
+        from offload.checkpoint import resume
 
-        manifest = load_checkpoint(model, optimizer, args.checkpoint_dir)
+        manifest = resume(model, optimizer, args.checkpoint_dir, say=lambda m: print(f"finetune: {m}", file=sys.stderr))
         start_step = int(manifest["extra"]["step"])
         scheduler.load_state_dict(manifest["extra"]["scheduler"])
         # Older checkpoints have no data position: batch i was the i-th step's.
@@ -318,6 +334,25 @@ def main(argv=None) -> int:
     losses, times = [], []
     t_start = time.perf_counter()
     model.train()
+    from offload.checkpoint import save_checkpoint
+    from offload.preempt import Preemption
+
+    at = {"done": start_step, "saved": start_step if args.resume else None}
+
+    def save():
+        if at["saved"] == at["done"]:
+            return                          # a preemption right after a scheduled save
+        path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=at["done"],
+                               extra={"step": at["done"], "scheduler": scheduler.state_dict(),
+                                      "data": batches.state()},
+                               keep=args.keep_checkpoints)
+        at["saved"] = at["done"]
+        if tty:
+            print(file=sys.stderr)
+        print(f"finetune: checkpoint {path}", file=sys.stderr)
+
+    # SIGTERM/SIGINT: the step in flight finishes, then save + exit 143/130 (see the docstring).
+    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune").install()
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
@@ -341,17 +376,10 @@ def main(argv=None) -> int:
                 log.flush()
             if not math.isfinite(value) and args.dtype != "fp16":
                 raise OffloadError(f"the loss became {value} at step {step + 1}")
-            done = step + 1
+            done = at["done"] = step + 1
             if args.checkpoint_dir and (done == args.steps or
                                         (args.checkpoint_every and done % args.checkpoint_every == 0)):
-                from offload.checkpoint import save_checkpoint
-
-                path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=done,
-                                       extra={"step": done, "scheduler": scheduler.state_dict(),
-                                              "data": batches.state()}, keep=2)
-                if tty:
-                    print(file=sys.stderr)
-                print(f"finetune: checkpoint {path}", file=sys.stderr)
+                save()
             if args.output and (done == args.steps or (args.save_every and done % args.save_every == 0)):
                 from offload.hf.output import write_output
 
@@ -360,10 +388,12 @@ def main(argv=None) -> int:
                     print(file=sys.stderr)
                 print(f"finetune: wrote {'merged weights' if args.merge else 'the adapter' if args.lora_rank else 'the model'}"
                       f" to {path}", file=sys.stderr)
+            preempt.after_step()
         if tty:
             print(file=sys.stderr)
         summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss)
     finally:
+        preempt.uninstall()
         if log:
             log.close()
         model.offload_engine.close(keep_files=args.keep_nvme)

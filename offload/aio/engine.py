@@ -185,10 +185,14 @@ class AsyncIO:
             if offset + nbytes > path.size:
                 raise native.io_error(errno.EINVAL, name, offset, nbytes,
                                       f"beyond the end of the striped file ({path.size} bytes)")
-            segments = [(path.paths[m], moff, loff, n) for m, moff, loff, n in path.locate(offset, nbytes)]
+            fds = path.fds
+            if fds is not None and len(fds) != len(path.paths):
+                raise native.io_error(errno.EBADF, name, offset, nbytes, "the striped file is closed")
+            segments = [(path.paths[m], moff, loff, n, None if fds is None else fds[m])
+                        for m, moff, loff, n in path.locate(offset, nbytes)]
             create = False
         else:
-            segments = [(name, offset, offset, nbytes)]
+            segments = [(name, offset, offset, nbytes, None)]
             create = op == native.IO_WRITE
         handle = Handle("write" if op == native.IO_WRITE else "read", name, offset, nbytes, tensor)
         if nbytes == 0:
@@ -201,7 +205,9 @@ class AsyncIO:
         # Block-sized pieces: (member, member offset, logical offset, length). Their checksums are
         # computed here, before the engine's lock, so other threads' I/O does not wait on them.
         spans = []
-        for member, moff, loff, n in segments:
+        base_fds: dict[str, int | None] = {}
+        for member, moff, loff, n, base_fd in segments:
+            base_fds[member] = base_fd
             pos, end = loff, loff + n
             while pos < end:
                 stop = min((pos // bs + 1) * bs, end)
@@ -219,7 +225,8 @@ class AsyncIO:
             opened: dict[str, tuple[int, bool]] = {}     # a striped request visits each member often
             for i, (member, moff, pos, n) in enumerate(spans):
                 if member not in opened:
-                    opened[member] = self._open(member, create, moff, n, address, offset, nbytes)
+                    opened[member] = self._open(member, create, moff, n, address, offset, nbytes,
+                                                base_fds[member])
                 fd, direct = opened[member]
                 piece = Piece(handle, fd, op, address + (pos - offset), moff, n, member)
                 if self._crc is not None:
@@ -238,7 +245,8 @@ class AsyncIO:
         return handle
 
     def _open(self, path: str, create: bool, moff: int, n: int, address: int, offset: int,
-              nbytes: int) -> tuple[int, bool]:
+              nbytes: int, base_fd: int | None = None) -> tuple[int, bool]:
+        """``(descriptor, through libaio)`` for one member of a request."""
         direct = self._libaio is not None and os.path.dirname(os.path.abspath(path)) not in self._no_direct
         if direct:
             bad = [what for what, v in (("buffer address", address), ("length", nbytes), ("offset", offset))
@@ -248,14 +256,29 @@ class AsyncIO:
                                       f"O_DIRECT (libaio backend) needs the {', '.join(bad)} to be a "
                                       f"multiple of {DIRECT_IO_ALIGNMENT} (use offload.aio.aligned_empty)")
             try:
-                return self._files.fd(path, direct=True, create=create, offset=moff, length=n), True
+                return self._files.fd(path, direct=True, create=create, offset=moff, length=n,
+                                      base_fd=base_fd), True
             except NvmeIOError as exc:
                 if exc.errno != errno.EINVAL or self.config.backend != "auto":
                     raise
                 where = os.path.dirname(os.path.abspath(path))
                 self._no_direct.add(where)
                 log.info("%s refuses O_DIRECT; its files go through the threads backend", where)
-        return self._files.fd(path, direct=False, create=create, offset=moff, length=n), False
+        elif base_fd is not None and not (address | nbytes | offset) % DIRECT_IO_ALIGNMENT:
+            # An unlinked swap file on the threads backend still takes O_DIRECT where it can: a
+            # buffered write would "succeed" into the page cache and its EIO surface at writeback,
+            # where nobody sees it (and TBs of swap traffic would push everything else out of RAM).
+            where = os.path.dirname(os.path.abspath(path))
+            if where not in self._no_direct:
+                try:
+                    return self._files.fd(path, direct=True, create=create, offset=moff, length=n,
+                                          base_fd=base_fd), False
+                except NvmeIOError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._no_direct.add(where)
+        return self._files.fd(path, direct=False, create=create, offset=moff, length=n,
+                              base_fd=base_fd), False
 
     def _thread_backend(self) -> ThreadBackend:
         if self._threads is None:

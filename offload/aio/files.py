@@ -2,7 +2,10 @@
 
 A descriptor is reused while the path still names the same file (device, inode); a file
 removed or replaced behind the engine's back is reopened (or reported missing) instead of
-silently reading a deleted inode.
+silently reading a deleted inode. Unlinked swap files (``StripedFile(unlinked=True)``) have
+no path to check: they come with a descriptor of their own, which is reopened through
+``/proc/self/fd`` with the flags a backend needs (O_DIRECT or not) — the same inode, whatever
+has happened to the directory since.
 """
 
 from __future__ import annotations
@@ -19,8 +22,14 @@ class FileTable:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, bool], tuple[int, int, int]] = {}
 
-    def fd(self, path: str, *, direct: bool, create: bool, offset: int, length: int) -> int:
-        """Descriptor of ``path`` (O_DIRECT when ``direct``); errors as ``NvmeIOError``."""
+    def fd(self, path: str, *, direct: bool, create: bool, offset: int, length: int,
+           base_fd: int | None = None) -> int:
+        """Descriptor of ``path`` (O_DIRECT when ``direct``); errors as ``NvmeIOError``.
+
+        ``base_fd``: ``path`` is an unlinked file held open by this descriptor (``path`` only
+        names it in errors)."""
+        if base_fd is not None:
+            return self._reopen(path, base_fd, direct, offset, length)
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -52,6 +61,29 @@ class FileTable:
                     what = ("the filesystem refuses O_DIRECT" if direct and exc.errno == errno.EINVAL
                             else "open failed")
                     raise native.io_error(exc.errno or errno.EIO, path, offset, length, what) from None
+            st = os.fstat(fd)
+            self._open[key] = (fd, st.st_dev, st.st_ino)
+            return fd
+
+    def _reopen(self, path: str, base_fd: int, direct: bool, offset: int, length: int) -> int:
+        key = (path, direct)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                return entry[0]
+            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+            try:
+                fd = os.open(f"/proc/self/fd/{base_fd}", flags)
+            except OSError as exc:
+                if exc.errno in (errno.EINVAL, errno.ENOENT) and direct:
+                    # EINVAL like any O_DIRECT refusal, so callers fall back to buffered I/O.
+                    why = ("the filesystem refuses O_DIRECT" if exc.errno == errno.EINVAL
+                           else "no /proc to reopen it with O_DIRECT")
+                    raise native.io_error(errno.EINVAL, path, offset, length, why) from None
+                if exc.errno != errno.ENOENT or direct:
+                    raise native.io_error(exc.errno or errno.EIO, path, offset, length,
+                                          "reopening an unlinked swap file") from None
+                fd = os.dup(base_fd)            # no /proc: share the creator's (buffered) descriptor
             st = os.fstat(fd)
             self._open[key] = (fd, st.st_dev, st.st_ino)
             return fd

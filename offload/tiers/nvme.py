@@ -4,6 +4,11 @@ Every chunk that may reach NVMe gets its slot when the layout is registered, so 
 a run needs is checked (and claimed with fallocate) before training starts rather than
 discovered when the disk fills mid-step. Files are written once at set-up and then overwritten
 in place, which these disks do ~1.7x faster than writing fresh blocks.
+
+The files have no name (see ``swapfiles``): they are created in a private directory, unlinked
+at once and reached through their descriptors, so they cannot outlive the process — a
+``kill -9`` frees their space like a clean exit does — and removing or renaming the NVMe
+directory mid-run does not disturb them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from ..config import AioConfig
 from ..errors import ConfigError, TierFullError
 from .moves import Move
+from .swapfiles import private_dir, reclaim_stale, remove_private_dir
 
 SLOT_ALIGN = 4096
 
@@ -69,6 +75,10 @@ class NvmeTier:
                 raise ConfigError("nvme_paths", d, f"cannot be created: {exc.strerror}") from exc
             if not p.is_dir():
                 raise ConfigError("nvme_paths", d, "is not a directory")
+            try:
+                reclaim_stale(d)     # private directories of crashed runs (normally empty)
+            except OSError:
+                pass
         self.prefix = prefix
         self.aio = AsyncIO(aio_config or AioConfig())
         self.files: dict[str, object] = {}
@@ -105,7 +115,18 @@ class NvmeTier:
         if size > self.free_bytes:
             raise TierFullError("nvme", self.budget, self.in_use, size,
                                 f"free space on {', '.join(self.dirs)}")
-        file = StripedFile(self.dirs, f"{self.prefix}-{group}.swp", size)
+        made: list[str] = []
+        try:
+            for d in self.dirs:
+                try:
+                    made.append(private_dir(d))
+                except OSError as exc:
+                    raise ConfigError("nvme_paths", d, f"cannot create a private directory for swap files: "
+                                                       f"{exc.strerror}") from exc
+            file = StripedFile(made, f"{self.prefix}-{group}.swp", size, unlinked=True)
+        finally:
+            for d in made:
+                remove_private_dir(d)
         self.files[group] = file
         self.in_use += size
         return [NvmeSlot(file, off, nbytes) for off, nbytes in zip(offsets, sizes)]
@@ -125,13 +146,9 @@ class NvmeTier:
         return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
     def close(self, remove: bool = True) -> None:
-        """Close the I/O engine and (by default) delete the swap files."""
-        if remove:
-            self._finalizer()
-        else:
-            self._finalizer.detach()
-            self.aio.close()
-            self.files.clear()
+        """Close the I/O engine and the swap files. They have no name, so closing them frees
+        their space whatever ``remove`` says (kept for callers of older versions)."""
+        self._finalizer()
         self.in_use = 0
 
     def describe(self) -> dict:

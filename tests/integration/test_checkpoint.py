@@ -180,7 +180,7 @@ def test_layout_mismatch_names_the_parameter(disk_tmp):
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[3])
-    import torch, offload, offload.checkpoint as ck
+    import torch, offload, offload.checkpoint as ck, offload.checkpoint.files as ckfiles
     from tiny_gpt import TinyGPT, batches
     nvme, ckpt, dtype = sys.argv[1], sys.argv[2], sys.argv[4]
     torch.manual_seed(0)
@@ -195,12 +195,12 @@ KILL_SCRIPT = textwrap.dedent("""
     ck.save_checkpoint(model, opt, ckpt, step=2, extra={"pos": 2})
     print("A", flush=True)
     train(1)
-    slow = ck._write_chunk
+    slow = ckfiles.write_chunk
     def paused(writer, data):
         slow(writer, data)
         print("PAUSED", flush=True)
         time.sleep(60)
-    ck._write_chunk = paused
+    ckfiles.write_chunk = paused
     ck.save_checkpoint(model, opt, ckpt, step=3, extra={"pos": 3})
     print("B", flush=True)
 """)

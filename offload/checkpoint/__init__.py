@@ -1,0 +1,60 @@
+"""Checkpoints of a wrapped model and its optimizer, streamed chunk by chunk from every tier.
+
+``save_checkpoint(model, optimizer, root, step=n)`` writes ``root/step-0000000n/`` and points
+``root/latest`` at it; ``load_checkpoint(model, optimizer, root)`` loads what ``latest`` names
+(or ``root`` itself when it is one checkpoint, i.e. holds a ``manifest.json``).
+
+A checkpoint directory holds::
+
+    manifest.json          format version, layout, dtype, per-chunk CRC32C and file offsets,
+                           per-parameter Adam step counts, loss scaler, engine step count,
+                           optimizer hyper-parameters, the caller's ``extra``
+    param.bin              raw chunk bytes of each kind, one file per kind: the chunks that
+    master.bin             hold data, in chunk order, each ``chunk_size * itemsize`` bytes
+    exp_avg.bin            (FREE chunks -- e.g. Adam state before the first step -- take no
+    exp_avg_sq.bin         space and are recorded as ``null``)
+    buffers.pt             persistent module buffers (only when the model has any)
+    optimizer_state.pt     optimizer state of parameters the engine does not own (only if any)
+    extra.pt               ``extra`` when it is not JSON-serializable
+
+Gradients are not saved: a checkpoint is taken between ``optimizer.step()`` and the next
+backward, and loading leaves a clean accumulation window.
+
+Streaming: chunks go through two reused chunk-sized staging buffers. Saving reads chunk i+1
+(``store.read_into``, from the device, pinned CPU or straight from NVMe) and checksums it on a
+thread while chunk i is written to its file; loading reads and verifies chunk i+1 from its file
+while chunk i goes into the store (``store.write``). Extra memory is two chunks of the largest
+kind, whatever the model size. Written data is synced every ``SYNC_EVERY`` bytes and dropped
+from the page cache, so a 1 TB checkpoint does not push the training state out of RAM.
+
+Atomicity: everything is written into ``root/.tmp-<name>-<pid>/``, each file fsynced, the
+manifest last, the directory fsynced and renamed to ``root/<name>``; then ``latest`` is replaced
+atomically (temp file + fsync + ``os.replace`` + fsync of ``root``). A process killed at any
+point leaves the previous checkpoint and ``latest`` intact; the next save removes stale
+``.tmp-*`` directories of dead processes. If ``latest`` is missing or names an incomplete
+directory, loading falls back to the newest complete ``step-*`` checkpoint.
+
+Fallback: a resume verifies as it loads and, when a checkpoint does not verify (checksum,
+truncation, unreadable manifest), warns (``CheckpointSkipped``) naming it and why and loads
+the next older one (``loading``). ``verify_checkpoint`` / ``offload checkpoint verify DIR``
+check every checksum without a model.
+
+Modules: ``format`` (names, manifest, checksums), ``files`` (durable writes, stale temp dirs),
+``listing`` (which checkpoints exist, in which order a resume tries them), ``model_state``
+(the model and optimizer side), ``saving``, ``loading``, ``verify``.
+"""
+
+from .files import SYNC_EVERY, write_file_atomic
+from .format import FORMAT, LATEST, MANIFEST, SAVED_KINDS, VERSION
+from .listing import candidates, list_checkpoints, resolve_checkpoint
+from .loading import CheckpointSkipped, load_checkpoint, resume
+from .model_state import persistent_buffers
+from .saving import save_checkpoint
+from .verify import Verdict, verify_checkpoint, verify_root
+
+__all__ = [
+    "FORMAT", "LATEST", "MANIFEST", "SAVED_KINDS", "SYNC_EVERY", "VERSION",
+    "CheckpointSkipped", "Verdict",
+    "candidates", "list_checkpoints", "load_checkpoint", "persistent_buffers", "resolve_checkpoint",
+    "resume", "save_checkpoint", "verify_checkpoint", "verify_root", "write_file_atomic",
+]

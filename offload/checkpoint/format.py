@@ -1,0 +1,127 @@
+"""The on-disk format of one checkpoint: names, the manifest, checksums of chunks and files."""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..errors import ChecksumError, OffloadError
+
+FORMAT = "offload-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")   # grads are never saved
+STEP_NAME = re.compile(r"^step-(\d+)$")
+TEMP_NAME = re.compile(r"^\.(tmp|trash)-(.+)-(\d+)$")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def step_name(step: int) -> str:
+    return f"step-{int(step):08d}"
+
+
+def checksum_algorithm() -> str:
+    try:
+        from ..native import crc32c
+
+        crc32c(0, 0)
+        return "crc32c"
+    except Exception:       # no native extension: zlib's CRC-32 (a different polynomial, recorded as such)
+        return "crc32"
+
+
+def checksum(algorithm: str, data: torch.Tensor) -> int:
+    """Checksum of a contiguous CPU tensor's bytes."""
+    nbytes = data.numel() * data.element_size()
+    if algorithm == "crc32c":
+        from ..native import crc32c
+
+        return crc32c(data.data_ptr(), nbytes)
+    if algorithm == "crc32":
+        return zlib.crc32(bytes_view(data)) & 0xFFFFFFFF
+    raise OffloadError(f"unknown checksum algorithm {algorithm!r} in the manifest")
+
+
+def checksum_bytes(algorithm: str, data: bytes) -> int:
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8, device="cpu")
+    return checksum(algorithm, t)
+
+
+def bytes_view(t: torch.Tensor):
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+MANIFEST_CRC = "manifest_crc32"
+
+
+def _manifest_crc(manifest: dict) -> int:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    # Through JSON and back first: the CRC is of what a reader parses (keys as strings).
+    return zlib.crc32(json.dumps(json.loads(json.dumps(body)), sort_keys=True).encode()) & 0xFFFFFFFF
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written, carrying a CRC-32 of its own canonical JSON: a flipped bit in a
+    step count or an offset is caught like one in the chunk data."""
+    return json.dumps({**manifest, MANIFEST_CRC: _manifest_crc(manifest)}, indent=1).encode()
+
+
+def read_manifest(ckpt: Path) -> dict:
+    """The parsed, format- and checksum-checked manifest of checkpoint directory ``ckpt``."""
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise OffloadError(f"checkpoint manifest {ckpt / MANIFEST} cannot be read: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        got = manifest if not isinstance(manifest, dict) else manifest.get("format")
+        raise OffloadError(f"{ckpt / MANIFEST}: not an {FORMAT} version {VERSION} manifest "
+                           f"(format {got!r}, version "
+                           f"{manifest.get('version') if isinstance(manifest, dict) else None!r})")
+    if MANIFEST_CRC in manifest:          # absent in checkpoints of older versions
+        want, got = manifest.pop(MANIFEST_CRC), _manifest_crc(manifest)
+        if want != got:
+            raise ChecksumError(str(ckpt / MANIFEST), 0, 0, f"the manifest's own crc32 does not match "
+                                                            f"(expected {want:#010x}, got {got:#010x})")
+    return manifest
+
+
+def read_checked_file(ckpt: Path, entry: dict, algorithm: str) -> bytes:
+    """The bytes of a whole-file entry (``{"file", "bytes", <algorithm>}``), checksum verified."""
+    path = ckpt / entry["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise OffloadError(f"checkpoint file {path} cannot be read: {exc}") from exc
+    got = checksum_bytes(algorithm, data)
+    if len(data) != entry["bytes"] or got != entry[algorithm]:
+        raise ChecksumError(str(path), 0, len(data), f"{algorithm} mismatch in {entry['file']} "
+                                                     f"(expected {entry[algorithm]:#010x}, got {got:#010x})")
+    return data
+
+
+def entry_bytes(info: dict, entry: dict) -> int:
+    """Bytes of one saved chunk: the kind's bulk ``chunk_bytes``, or its own ``nbytes`` (an
+    oversized parameter's chunk, or a class's last chunk cut to what it holds)."""
+    return int(entry.get("nbytes", info["chunk_bytes"]))
+
+
+def check_kind_file_size(ckpt: Path, kind: str, info: dict) -> None:
+    """The chunk file of ``kind`` holds exactly the chunks the manifest lists (else truncated)."""
+    path = ckpt / info["file"]
+    stored = sum(1 for e in info["chunks"] if e is not None)
+    expected = sum(entry_bytes(info, e) for e in info["chunks"] if e is not None)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise OffloadError(f"checkpoint file {path} is missing: {exc}") from exc
+    if size != expected:
+        raise ChecksumError(str(path), size, expected,
+                            f"file holds {size} bytes, the manifest says {stored} chunks of "
+                            f"{expected} bytes in all (truncated or overwritten)")

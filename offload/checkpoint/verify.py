@@ -1,0 +1,140 @@
+"""Checking checkpoints without a model: every chunk's and every file's checksum, file sizes,
+the manifest; ``offload checkpoint verify DIR`` prints the summary."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, OffloadError
+from .format import LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, entry_bytes, read_checked_file, read_manifest
+from .listing import candidates, is_complete
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What verifying one checkpoint directory found."""
+
+    path: str
+    step: int | None = None
+    chunks: int = 0              # chunks whose checksum was checked
+    files: int = 0               # files read
+    bytes: int = 0               # bytes read
+    problems: list[str] = field(default_factory=list)   # one line each; empty: it verifies
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Verdict:
+    """Read every file of checkpoint ``path`` and check every checksum; never raises for a
+    damaged checkpoint (its problems are listed), only for a missing directory."""
+    from .loading import read_chunk
+
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise ConfigError("checkpoint", str(ckpt), "is not a directory")
+    verdict = Verdict(str(ckpt))
+    try:
+        manifest = read_manifest(ckpt)
+        verdict.step = int(manifest["step"])
+        algorithm = manifest["checksum"]
+        kinds = manifest["kinds"]
+    except (OffloadError, KeyError, TypeError, ValueError) as exc:
+        verdict.problems.append(f"manifest: {exc}")
+        return verdict
+    for kind, info in kinds.items():
+        try:
+            check_kind_file_size(ckpt, kind, info)
+        except OffloadError as exc:
+            verdict.problems.append(str(exc))
+            if not (ckpt / info["file"]).is_file():
+                continue
+        sizes = [entry_bytes(info, e) for e in info["chunks"] if e is not None]
+        buf = torch.empty(max(sizes, default=0), dtype=torch.uint8, device="cpu")
+        verdict.files += 1
+        try:
+            with open(ckpt / info["file"], "rb", buffering=0) as f:
+                for c, entry in enumerate(info["chunks"]):
+                    if entry is None:
+                        continue
+                    try:
+                        read_chunk(f.fileno(), ckpt / info["file"], kind, c, entry, entry_bytes(info, entry),
+                                   buf, algorithm)
+                        verdict.chunks += 1
+                        verdict.bytes += entry_bytes(info, entry)
+                    except OffloadError as exc:
+                        verdict.problems.append(str(exc))
+        except OSError as exc:
+            verdict.problems.append(f"{ckpt / info['file']}: {exc}")
+    small = [manifest.get("buffers"), manifest.get("extra_file"), (manifest.get("optimizer") or {}).get("state")]
+    for entry in filter(None, small):
+        try:
+            verdict.bytes += len(read_checked_file(ckpt, entry, algorithm))
+            verdict.files += 1
+        except OffloadError as exc:
+            verdict.problems.append(str(exc))
+    return verdict
+
+
+def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]:
+    """Verdicts of every complete checkpoint under ``directory`` (oldest first; or of
+    ``directory`` itself when it is one checkpoint), and notes on the rest (incomplete
+    ``step-*`` directories, temp directories of interrupted saves, the ``latest`` pointer)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ConfigError("DIR", str(root), "is not a directory")
+    if is_complete(root):
+        return [verify_checkpoint(root)], []
+    notes = []
+    found = []
+    for entry in sorted(root.iterdir()):
+        m = STEP_NAME.match(entry.name)
+        if m and entry.is_dir():
+            if is_complete(entry):
+                found.append((int(m.group(1)), entry))
+            else:
+                notes.append(f"{entry.name}: incomplete (no manifest), ignored by --resume")
+        elif TEMP_NAME.match(entry.name):
+            notes.append(f"{entry.name}: left by an interrupted save, removed by the next save")
+    verdicts = [verify_checkpoint(p) for _, p in sorted(found)]
+    latest = root / LATEST
+    if latest.is_file():
+        notes.append(f"{LATEST} -> {latest.read_text().strip()}")
+    if verdicts:
+        # Which one a resume loads: the first candidate that verifies.
+        good = {v.path for v in verdicts if v.ok}
+        chosen = next((p for p in candidates(root) if str(p) in good), None)
+        notes.append(f"--resume loads {chosen.name if chosen else 'nothing: no checkpoint verifies'}")
+    return verdicts, notes
+
+
+# ---- the `offload checkpoint verify` command ---------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", metavar="DIR", help="a checkpoint root (--checkpoint-dir) or one step-* checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..units import format_bytes
+
+    verdicts, notes = verify_root(args.dir)
+    if not verdicts:
+        raise OffloadError(f"no complete checkpoint in {args.dir}")
+    for v in verdicts:
+        name = Path(v.path).name
+        if v.ok:
+            print(f"ok       {name}: {v.chunks} chunks, {v.files} files, {format_bytes(v.bytes)} verified")
+        else:
+            print(f"CORRUPT  {name}: {len(v.problems)} problem(s)")
+            for p in v.problems:
+                print(f"           {p}")
+    for n in notes:
+        print(f"note     {n}")
+    bad = sum(not v.ok for v in verdicts)
+    print(f"{len(verdicts) - bad} of {len(verdicts)} checkpoint(s) verify" + (f"; {bad} corrupt" if bad else ""))
+    return 1 if bad else 0
