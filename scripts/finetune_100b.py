@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device-budget", default="auto", help="bytes of chunks on the compute device, e.g. 60G")
     p.add_argument("--cpu-budget", default="auto", help="bytes of chunks in CPU memory, e.g. 400G")
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step (default 2048)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="gradient accumulation: forward/backward passes per step, dividing its sequences "
+                        "(default: the planner's choice, 1 with --no-plan)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -103,6 +106,10 @@ def check_args(args) -> None:
         raise ConfigError("--save-every", args.save_every, "needs --output and a number >= 0")
     if args.seq_len < 2 or args.batch_tokens < args.seq_len:
         raise ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
+    rows = args.batch_tokens // args.seq_len
+    if args.micro_batches is not None and (args.micro_batches < 1 or rows % args.micro_batches):
+        raise ConfigError("--micro-batches", args.micro_batches,
+                          f"must divide the step's {rows} sequences (--batch-tokens / --seq-len)")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume", True, "needs --checkpoint-dir")
     if args.keep_checkpoints < 1:
@@ -187,12 +194,15 @@ def make_plan(args, cfg, config, described=None):
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
                     cpu_budget=None if config.cpu_budget == "auto" else int(config.cpu_budget),
                     defer_step=args.max_grad_norm is not None)
-    # One pass per step here: the planner chooses where activations wait (and the device budget)
+    # The planner chooses where activations wait, the device budget, and how many passes a step
+    # takes (among those that split its sequences evenly).
+    rows = args.batch_tokens // min(args.seq_len, cfg.max_seq_len)
+    micro = [args.micro_batches] if args.micro_batches else [k for k in range(1, rows + 1) if rows % k == 0]
     if described is not None:
-        choice = choose(described.shape, hardware, policy, micro_batches=[1], name=described.name,
+        choice = choose(described.shape, hardware, policy, micro_batches=micro, name=described.name,
                         params=described.params)
     else:
-        choice = choose(cfg, hardware, policy, micro_batches=[1], name=f"llama-{args.preset}")
+        choice = choose(cfg, hardware, policy, micro_batches=micro, name=f"llama-{args.preset}")
     return choice.best or choice.given, sources, notes
 
 
@@ -289,7 +299,13 @@ def main(argv=None) -> int:
         predicted = result.predicted_step_s
         chosen = result.policy      # the plan's activation placement, and the device budget it assumed
         config = config.replace(activation_offload=chosen["activation_offload"],
-                                device_budget=chosen["device_budget"] or config.device_budget)
+                                device_budget=chosen["device_budget"] or config.device_budget,
+                                gradient_accumulation_steps=chosen["micro_batches"])
+    elif args.micro_batches:
+        config = config.replace(gradient_accumulation_steps=args.micro_batches)
+    if batch % config.gradient_accumulation_steps:
+        raise offload.ConfigError("--micro-batches", config.gradient_accumulation_steps,
+                                  f"must divide the step's {batch} sequences")
     if args.dry_run:
         return 0
 
@@ -357,12 +373,15 @@ def main(argv=None) -> int:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
             ids, labels = (t.to(model.offload_engine.device) for t in batches.next())
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
+            k = config.gradient_accumulation_steps
+            value = 0.0
+            for part_ids, part_labels in zip(ids.chunk(k), labels.chunk(k)):
+                loss = model(input_ids=part_ids, labels=part_labels).loss / k
+                loss.backward()
+                value += loss.item()
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-            value = loss.item()
             dt = time.perf_counter() - t0
             losses.append(value)
             times.append(dt)
