@@ -243,6 +243,11 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     monkeypatch.setattr(ChunkAdam, "update", slow_update)
     # A loaded machine must not turn the back-pressure's stall escape into a spill here.
     monkeypatch.setattr(stepper, "BACKLOG_STALL_S", 10.0)
+    # Nor may parking (updates held for the next forward, their gradients written down when room
+    # is short: it learns from timings, which a loaded machine skews) stand in for back-pressure.
+    from offload.engine.pipeline import StepPipeline
+
+    monkeypatch.setattr(StepPipeline, "_chunks_to_park", lambda self: set())
     monkeypatch.setattr(ChunkStore, "_start_move", start_move)
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), cfg(path, cpu_budget=cpu_budget))
