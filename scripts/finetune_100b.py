@@ -177,6 +177,22 @@ def cpu_without_fast_bf16(dtype: str) -> str | None:
             "slower than fp32; --dtype fp32 trains faster on a CPU-only run")
 
 
+def rng_state() -> dict:
+    """torch's random generators (CPU, and every GPU's), for a checkpoint."""
+    import torch
+
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def load_dataset(args, vocab_size: int):
     from offload import ConfigError
     from offload.data import load_data, load_tokenizer
@@ -356,6 +372,8 @@ def main(argv=None) -> int:
         manifest = resume(model, optimizer, args.checkpoint_dir, say=lambda m: print(f"finetune: {m}", file=sys.stderr))
         start_step = int(manifest["extra"]["step"])
         scheduler.load_state_dict(manifest["extra"]["scheduler"])
+        if "rng" in manifest["extra"]:          # dropout and other random layers go on as they would have
+            set_rng_state(manifest["extra"]["rng"])
         # Older checkpoints have no data position: batch i was the i-th step's.
         changed = batches.restore(manifest["extra"].get("data", {"next_batch": start_step, "rows": batch,
                                                                  "seq_len": seq, "path": None, "bytes": None}))
@@ -381,7 +399,7 @@ def main(argv=None) -> int:
             return                          # a preemption right after a scheduled save
         path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=at["done"],
                                extra={"step": at["done"], "scheduler": scheduler.state_dict(),
-                                      "data": batches.state()},
+                                      "data": batches.state(), "rng": rng_state()},
                                keep=args.keep_checkpoints)
         at["saved"] = at["done"]
         if tty:

@@ -82,16 +82,18 @@ def test_full_finetune_writes_the_trained_model(disk_tmp):
     model.offload_engine.close()
 
 
-def test_resume_continues_with_the_next_batch(disk_tmp):
-    # No dropout in this model: the checkpoint does not carry the RNG state, only the data position.
+@pytest.mark.parametrize("dropout", [None, "0.2"], ids=["plain", "lora-dropout"])
+def test_resume_continues_with_the_next_batch(disk_tmp, dropout):
+    # The checkpoint carries the data position and torch's RNG state (LoRA dropout draws from it).
+    extra = () if dropout is None else ("--lora-rank", "4", "--lora-dropout", dropout)
     src = save_tiny(disk_tmp / "src", "llama")
     (disk_tmp / "a").mkdir()
-    straight = run(disk_tmp / "a", src, "--checkpoint-every", "2", steps=4)
+    straight = run(disk_tmp / "a", src, "--checkpoint-every", "2", *extra, steps=4)
     # Resume from the step-2 checkpoint alone (same --steps, so the same lr schedule).
     (disk_tmp / "b" / "ckpt").mkdir(parents=True)
     shutil.copytree(disk_tmp / "a" / "ckpt" / "step-00000002", disk_tmp / "b" / "ckpt" / "step-00000002")
     (disk_tmp / "b" / "ckpt" / "latest").write_text("step-00000002\n")
-    rest = run(disk_tmp / "b", src, "--resume", steps=4)
+    rest = run(disk_tmp / "b", src, "--resume", *extra, steps=4)
     assert rest == straight[2:]            # bit-identical: batches 3 and 4, not 1 and 2, come next
 
 
