@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from .bench.common import seconds_per_call
 from .config import read_json_object
 from .errors import ConfigError, OffloadError
 from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size
@@ -342,20 +343,6 @@ def _cuda():
     return torch.cuda if torch.cuda.is_available() else None
 
 
-def _timed(fn, min_s: float = 0.3, sync=lambda: None) -> float:
-    """Seconds per call of ``fn`` after a warm-up, over at least ``min_s``."""
-    fn(), fn()
-    sync()
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        if calls % 4 == 0:
-            sync()
-            if time.perf_counter() - t0 >= min_s:
-                return (time.perf_counter() - t0) / calls
-
-
 def _median_time(fn, min_s: float = 1.5, min_calls: int = 5) -> float:
     """Median seconds per call of ``fn`` after a warm-up call, over at least ``min_s`` and ``min_calls``.
 
@@ -381,7 +368,7 @@ def _gpu_tflops(cuda, dtype: str) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=tdtype)
     b = torch.randn(n, n, device="cuda", dtype=tdtype)
-    return 2 * n**3 / _timed(lambda: torch.mm(a, b), sync=cuda.synchronize) / 1e12
+    return 2 * n**3 / seconds_per_call(lambda: torch.mm(a, b), sync=cuda.synchronize) / 1e12
 
 
 def _pcie_gbps(cuda) -> float:

@@ -33,6 +33,20 @@ def tiny_config(arch: str, **kw):
     raise ValueError(arch)
 
 
+def tiny_llama(seed: int = 0):
+    """A 2-layer, 128-token-vocabulary LlamaForCausalLM with tied embeddings, made with ``seed``
+    (the engine-equivalence, Trainer and accelerate tests)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
 def save_tiny(directory: Path, arch: str = "llama", seed: int = 0, shard: str = "20KB", **kw) -> Path:
     """Build a tiny model with random weights and ``save_pretrained`` it in shards of ``shard``."""
     import transformers

@@ -7,9 +7,26 @@ import json
 import os
 import shutil
 import signal
+import time
 from contextlib import contextmanager
 
 from ..errors import ConfigError
+
+
+def seconds_per_call(fn, min_s: float = 0.3, sync=lambda: None) -> float:
+    """Seconds per call of ``fn`` after two warm-up calls, over at least ``min_s``; ``sync``
+    waits for queued device work (checked every 4 calls)."""
+    fn(), fn()
+    sync()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_s:
+                return elapsed / calls
 
 
 def _sigterm(signum, frame):

@@ -6,23 +6,9 @@ of the two directions, not their sum."""
 
 from __future__ import annotations
 
-import time
+from .common import seconds_per_call
 
 PROBE_BYTES = 256 << 20
-
-
-def _seconds_per_copy(copy, sync, min_s: float = 0.3) -> float:
-    copy(), copy()
-    sync()
-    calls, t0 = 0, time.perf_counter()
-    while True:
-        copy()
-        calls += 1
-        if calls % 4 == 0:
-            sync()
-            elapsed = time.perf_counter() - t0
-            if elapsed >= min_s:
-                return elapsed / calls
 
 
 def measure(nbytes: int = PROBE_BYTES) -> dict:
@@ -34,8 +20,8 @@ def measure(nbytes: int = PROBE_BYTES) -> dict:
     host = aligned_empty(nbytes, torch.uint8, pin=True, populate=True)
     dev = torch.empty_like(host, device="cuda")
     sync = torch.cuda.synchronize
-    h2d = _seconds_per_copy(lambda: dev.copy_(host, non_blocking=True), sync)
-    d2h = _seconds_per_copy(lambda: host.copy_(dev, non_blocking=True), sync)
+    h2d = seconds_per_call(lambda: dev.copy_(host, non_blocking=True), sync=sync)
+    d2h = seconds_per_call(lambda: host.copy_(dev, non_blocking=True), sync=sync)
     return {"h2d_gbps": nbytes / h2d / 1e9, "d2h_gbps": nbytes / d2h / 1e9}
 
 

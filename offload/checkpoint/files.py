@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NvmeIOError
+from ..tiers.swapfiles import pid_alive
 from .format import MANIFEST, TEMP_NAME, bytes_view
 
 SYNC_EVERY = 256 << 20
@@ -89,16 +90,6 @@ class KindWriter:
 def write_chunk(writer: KindWriter, data: torch.Tensor) -> None:
     # A module-level function so that tests can slow it down to kill a save midway.
     write_all(writer.fd, bytes_view(data), writer.path, writer.offset)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clean_stale(root: Path) -> None:

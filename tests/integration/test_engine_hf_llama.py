@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +13,8 @@ import offload
 
 transformers = pytest.importorskip("transformers")
 
-
-def tiny_llama(seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.config.use_cache = False
-    return model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_models import tiny_llama  # noqa: E402
 
 
 def checkpointing(model):
