@@ -110,7 +110,10 @@ class StepPipeline:
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
         max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]
-        norm = self.grad_norm() if self.scaler is not None or max_norm is not None else 0.0
+        # A clip_grad_norm_ call brought the global norm already: only an fp16 overflow check, or a
+        # max_grad_norm clip, needs this window's.
+        own_norm = self.scaler is not None or (max_norm is not None and clip is None)
+        norm = self.grad_norm() if own_norm else 0.0
         overflow = self.scaler is not None and not math.isfinite(norm)
         if overflow:
             applied = False
