@@ -131,6 +131,7 @@ def _median(xs):
 def _breakdown(stats: list[dict]) -> dict:
     dirs = sorted({d for s in stats for d in s.get("moved_bytes", {})})
     moved = {d: int(_median([s.get("moved_bytes", {}).get(d, 0) for s in stats])) for d in dirs}
+    h2d, d2h = pcie_bytes(moved)
     return {
         "wait_s": _median([s.get("wait_s") for s in stats]),
         "optimizer_s": _median([s.get("optimizer_s") for s in stats]),
@@ -141,8 +142,8 @@ def _breakdown(stats: list[dict]) -> dict:
         "bytes_per_step": sum(moved.values()),
         "nvme_read_bytes": sum(n for d, n in moved.items() if d.startswith("nvme->")),
         "nvme_write_bytes": sum(n for d, n in moved.items() if d.endswith("->nvme")),
-        "h2d_bytes": pcie_bytes(moved)[0],
-        "d2h_bytes": pcie_bytes(moved)[1],
+        "h2d_bytes": h2d,
+        "d2h_bytes": d2h,
     }
 
 
