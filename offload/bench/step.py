@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-in-memory", action="store_true", help="skip the everything-in-memory comparison")
     parser.add_argument("--batch-curve", default=None, metavar="TOKENS,...",
                         help="also compare in memory at each of these tokens/step, e.g. 512,2048,8192")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks of a data-parallel run (default 1: one process, as above); N > 1 "
+                             "measures collective bytes against ZeRO-3 and FSDP2 and step time against "
+                             "N=1 instead (offload.bench.distributed)")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
 
 
@@ -159,9 +163,9 @@ def _sync(device: str) -> None:
 def _build(preset: str, device: str, seed: int = 0):
     import torch
 
-    from ..models.llama import LlamaForCausalLM, get_preset
+    from ..models.llama import LlamaConfig, LlamaForCausalLM, get_preset
 
-    cfg = get_preset(preset)
+    cfg = preset if isinstance(preset, LlamaConfig) else get_preset(preset)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     return model.to(device) if device == "cuda" else model, cfg
@@ -509,6 +513,8 @@ def parse_batch_curve(text: str | None) -> list[int] | None:
 
 
 def run(args) -> int:
+    if args.nproc != 1:
+        return _run_distributed(args)
     with scratch_dir(args.path, remove_tree=True) as path:
         report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
                          batch_tokens=args.batch_tokens, cpu_budget=args.cpu_budget,
@@ -516,6 +522,22 @@ def run(args) -> int:
                          in_memory=not args.no_in_memory, quiet=False,
                          batch_curve=parse_batch_curve(args.batch_curve))
     _print(report)
+    write_json(args.json, report)
+    return 0
+
+
+def _run_distributed(args) -> int:
+    from . import distributed
+
+    distributed.check_nproc(args.nproc)
+    if args.batch_curve:
+        raise ConfigError("--batch-curve", args.batch_curve, "is not measured with --nproc > 1")
+    with scratch_dir(args.path, remove_tree=True) as path:
+        report = distributed.measure(path, nproc=args.nproc, preset=args.preset, steps=args.steps,
+                                     warmup=args.warmup, batch_tokens=args.batch_tokens,
+                                     cpu_budget=args.cpu_budget, device_budget=args.device_budget,
+                                     device=args.device, fsdp=not args.no_in_memory, quiet=False)
+    distributed.print_report(report)
     write_json(args.json, report)
     return 0
 
