@@ -110,6 +110,7 @@ _METHODS = {
     "recv_anysource": ("recv", lambda a: _sum(a[0])),
     "barrier": ("barrier", lambda a: 0),
 }
+_INHERITED = object()
 _ROOTED = {"broadcast": "rootRank", "reduce": "rootRank", "gather": "rootRank", "scatter": "rootRank"}
 
 
@@ -165,15 +166,20 @@ class CollectiveCounter:
             original = getattr(ProcessGroup, name, None)
             if original is None:
                 continue
-            self._saved[name] = original
+            # Restore what the class itself held: pybind keeps its methods in the class dict as
+            # ``instancemethod`` wrappers, and the plain function getattr returns would not bind.
+            self._saved[name] = ProcessGroup.__dict__.get(name, _INHERITED)
             setattr(ProcessGroup, name, self._wrap(original, op, size_of, _ROOTED.get(op)))
         return self
 
     def __exit__(self, *exc) -> None:
         from torch.distributed import ProcessGroup
 
-        for name, original in self._saved.items():
-            setattr(ProcessGroup, name, original)
+        for name, saved in self._saved.items():
+            if saved is _INHERITED:
+                delattr(ProcessGroup, name)
+            else:
+                setattr(ProcessGroup, name, saved)
         self._saved.clear()
         CollectiveCounter._active = None
 
