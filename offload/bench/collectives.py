@@ -117,8 +117,9 @@ _ROOTED = {"broadcast": "rootRank", "reduce": "rootRank", "gather": "rootRank", 
 class CollectiveCounter:
     """Counts (ring accounting) the collectives this process issues while installed.
 
-    ``snapshot()`` is ``{"sent_bytes", "received_bytes", "ops", "by_op": {op: bytes sent}}`` so
-    far (the shape of the engine's ``offload_stats()["collectives"]``); ``since(before)`` is the
+    ``snapshot()`` is ``{"sent_bytes", "received_bytes", "ops", "by_op": {op: bytes sent},
+    "by_op_received": {op: bytes received}}`` so far (the shape of the engine's
+    ``offload_stats()["collectives"]``, plus the received side per op); ``since(before)`` is the
     difference from an earlier snapshot. Install with ``with CollectiveCounter() as c:``; one at
     a time per process.
     """
@@ -131,6 +132,7 @@ class CollectiveCounter:
         self.received = 0
         self.ops = 0
         self.by_op: dict[str, int] = {}
+        self.by_op_received: dict[str, int] = {}
         self._saved: dict[str, object] = {}
 
     # -- counting --------------------------------------------------------------------------
@@ -141,19 +143,24 @@ class CollectiveCounter:
             self.received += received
             self.ops += 1
             self.by_op[op] = self.by_op.get(op, 0) + sent
+            self.by_op_received[op] = self.by_op_received.get(op, 0) + received
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"sent_bytes": self.sent, "received_bytes": self.received, "ops": self.ops,
-                    "by_op": dict(self.by_op)}
+                    "by_op": dict(self.by_op), "by_op_received": dict(self.by_op_received)}
 
     @staticmethod
     def since(now: dict, before: dict) -> dict:
-        ops = set(now["by_op"]) | set(before["by_op"])
-        by_op = {op: now["by_op"].get(op, 0) - before["by_op"].get(op, 0) for op in sorted(ops)}
+        def minus(key):
+            ops = sorted(set(now[key]) | set(before[key]))
+            diff = {op: now[key].get(op, 0) - before[key].get(op, 0) for op in ops}
+            return {op: n for op, n in diff.items() if n}
+
         return {"sent_bytes": now["sent_bytes"] - before["sent_bytes"],
                 "received_bytes": now["received_bytes"] - before["received_bytes"],
-                "ops": now["ops"] - before["ops"], "by_op": {k: v for k, v in by_op.items() if v}}
+                "ops": now["ops"] - before["ops"], "by_op": minus("by_op"),
+                "by_op_received": minus("by_op_received")}
 
     # -- installing ------------------------------------------------------------------------
     def __enter__(self) -> "CollectiveCounter":

@@ -79,7 +79,8 @@ def test_counter_wraps_with_ring_accounting_and_snapshots_subtract():
     d = CollectiveCounter.since(c.snapshot(), before)
     assert seen == ["ag"]
     assert d == {"sent_bytes": 8 + 100, "received_bytes": 8 + 100, "ops": 2,
-                 "by_op": {"all_gather": 8, "reduce_scatter": 100}}
+                 "by_op": {"all_gather": 8, "reduce_scatter": 100},
+                 "by_op_received": {"all_gather": 8, "reduce_scatter": 100}}
 
 
 def test_counter_counts_each_public_call_once_in_a_group_of_one(tmp_path):
@@ -116,25 +117,38 @@ def test_counter_counts_each_public_call_once_in_a_group_of_one(tmp_path):
 def _rank_result(rank, times, sent, engine=None, error=None):
     if error:
         return {"rank": rank, "ours": {"error": error}, "fsdp2": None}
-    coll = [{"sent_bytes": s, "received_bytes": s, "ops": 10, "by_op": {"all_gather": 2 * s // 3,
-                                                                      "reduce_scatter": s // 3}}
-            for s in sent]
+    coll = [{"sent_bytes": s, "received_bytes": s, "ops": 10,
+             "by_op": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3},
+             "by_op_received": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3}} for s in sent]
     part = {"step_times_s": times, "collectives": coll, "losses": [5.0 + rank, 4.0 + rank],
             "engine_collectives": [engine] if engine else [], "layout": {"chunks": 4}}
     return {"rank": rank, "ours": part, "fsdp2": {**part, "engine_collectives": []}}
 
 
 def test_summary_takes_the_slowest_rank_per_sample_and_median_bytes():
-    results = [_rank_result(0, [1.0, 3.0, 2.0], [300, 300, 600], engine={"sent_bytes": 300, "received_bytes": 300}),
-               _rank_result(1, [2.0, 1.0, 2.5], [300, 300, 300], engine={"sent_bytes": 300, "received_bytes": 300})]
+    engine = {"sent_bytes": 300, "received_bytes": 300, "by_op": {"all_gather": 200, "reduce_scatter": 100}}
+    results = [_rank_result(0, [1.0, 3.0, 2.0], [300, 300, 600], engine=engine),
+               _rank_result(1, [2.0, 1.0, 2.5], [300, 300, 300], engine=engine)]
     s = bench_dp.summarize(results, "ours")
     assert s["step_times_s"] == [2.0, 3.0, 2.5] and s["step_s"] == 2.5
     assert s["sent_bytes_per_rank"] == [300, 300] and s["bytes_steady"] is False
     assert s["losses"] == [5.5, 4.5]                          # the mean over ranks = the global batch's
     assert s["engine_matches_counter"] is True
-    results[1]["ours"]["engine_collectives"] = [{"sent_bytes": 1, "received_bytes": 300}]
+    assert s["volume_bytes"] == 300
+    results[1]["ours"]["engine_collectives"] = [{"sent_bytes": 1, "received_bytes": 300, "by_op": {"all_gather": 1}}]
     assert bench_dp.summarize(results, "ours")["engine_matches_counter"] is False
     assert "engine_collectives_per_rank" not in bench_dp.summarize(results, "fsdp2")
+
+
+def test_engine_cross_check_is_per_op_and_per_direction():
+    # a broadcast's root only sends, the other rank only receives; the engine says b for both
+    assert bench_dp.engine_agrees({"by_op": {"all_gather": 10, "broadcast": 4}},
+                                  {"all_gather": 10, "broadcast": 4}, {"all_gather": 10})
+    assert bench_dp.engine_agrees({"by_op": {"all_gather": 10, "broadcast": 4}},
+                                  {"all_gather": 10}, {"all_gather": 10, "broadcast": 4})
+    assert not bench_dp.engine_agrees({"by_op": {"all_gather": 10}}, {"all_gather": 10, "reduce": 4}, {})
+    assert not bench_dp.engine_agrees({"by_op": {"all_gather": 12}}, {"all_gather": 10}, {"all_gather": 10})
+    assert not bench_dp.engine_agrees(None, {}, {})
 
 
 def test_summary_carries_a_refusal():
@@ -154,8 +168,8 @@ def test_report_json_shape_and_ratios(tmp_path, monkeypatch, capsys):
         calls.append((world, spec["threads"], spec["fsdp"]))
         if world == 1:
             return [_rank_result(0, [4.0, 4.0], [0, 0])]
-        return [_rank_result(r, [3.0, 3.0], [900, 900], engine={"sent_bytes": 900, "received_bytes": 900})
-                for r in range(world)]
+        engine = {"sent_bytes": 900, "received_bytes": 900, "by_op": {"all_gather": 600, "reduce_scatter": 300}}
+        return [_rank_result(r, [3.0, 3.0], [900, 900], engine=engine) for r in range(world)]
 
     monkeypatch.setattr(bench_dp, "_spawn", fake_spawn)
     r = bench_dp.measure(tmp_path, nproc=2, preset=MICRO, steps=2, warmup=1, batch_tokens=64, device="cpu")
