@@ -46,6 +46,7 @@ from ..errors import ConfigError, OffloadError
 from .collectives import CollectiveCounter, zero3_bytes
 
 STEPS_PER_SAMPLE = 2
+GROUPS_PER_RANK = 4           # the bench's chunk size leaves each rank at least this many chunks
 COMPUTE_ITEMSIZE = 2          # bf16
 TIMEOUT_S = 600               # a rank that dies must not leave the others waiting for gloo's 30 min
 
@@ -60,6 +61,19 @@ def split_rows(rows: int, world: int, rank: int) -> slice:
     """The rows of a global batch of ``rows`` sequences that rank ``rank`` of ``world`` takes."""
     per = rows // world
     return slice(rank * per, (rank + 1) * per)
+
+
+def dp_chunk_size(numels: list[int], world: int) -> int:
+    """Elements per chunk for the data-parallel run: the least wasteful size (the engine's own
+    search) no larger than 1/(GROUPS_PER_RANK * N) of the model, unless one parameter is larger.
+
+    "auto" sizes chunks by the budgets alone, and with budgets above a small model's state that
+    is one chunk: one rank would own it all and the others only receive broadcasts. The same
+    size serves the N=1 run, so both train the same layout."""
+    from ..chunks import search_chunk_size
+
+    cap = max(max(numels), sum(numels) // (GROUPS_PER_RANK * world))
+    return search_chunk_size(numels, max_chunk=cap)
 
 
 def check_nproc(nproc) -> int:
@@ -136,7 +150,7 @@ def _build_ours(spec: dict, rank: int):
     nvme = [os.path.join(spec["path"], "rank{rank}")] if spec["nvme"] else None
     config = OffloadConfig(device=spec["device"], dtype="bf16", device_budget=spec["device_budget"],
                            cpu_budget=spec["cpu_budget"], nvme_paths=nvme,
-                           optimizer_threads=spec["threads"])
+                           optimizer_threads=spec["threads"], chunk_size=spec["chunk_size"])
     model = offload.wrap(model, config)
     return model, offload.AdamW(model.parameters(), lr=spec["lr"])
 
@@ -309,11 +323,12 @@ def _ratio(a, b):
 def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="tiny", steps: int = 10,
             warmup: int = 3, batch_tokens: int = 512, cpu_budget=None, device_budget=None,
             device: str = "auto", lr: float = 1e-4, fsdp: bool = True, single: bool = True,
-            quiet: bool = True) -> dict:
+            chunk_size="auto", quiet: bool = True) -> dict:
     """Run the data-parallel benchmark; returns the JSON dict described in the module doc.
 
     ``preset`` is a preset name or an ``offload.models.llama.LlamaConfig``. ``path`` must exist
     (used only when budgets put state on NVMe). ``single=False`` skips the one-process run.
+    ``chunk_size`` (elements) "auto" is ``dp_chunk_size``'s, not the engine's "auto".
     """
     import torch
 
@@ -334,8 +349,10 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
     from .step import BYTES_PER_PARAM, _build
 
     model, _ = _build(cfg, "cpu")
-    params = sum(p.numel() for p in model.parameters())
+    numels = [p.numel() for p in model.parameters()]
+    params = sum(numels)
     del model
+    chunk = chunk_size if chunk_size != "auto" else dp_chunk_size(numels, nproc)
     state = BYTES_PER_PARAM * params
     nvme = cpu_budget is not None or device_budget is not None
     big = 2 * state + (256 << 20)
@@ -345,7 +362,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
     cores = physical_cores()
     spec = {"cfg": cfg, "device": device, "batch_tokens": batch_tokens, "rows": rows, "steps": steps,
             "warmup": warmup, "lr": lr, "cpu_budget": cpu_b, "device_budget": dev_b, "nvme": nvme,
-            "fsdp": fsdp}
+            "fsdp": fsdp, "chunk_size": chunk}
     if nvme and not os.path.isdir(path):
         raise ConfigError("path", path, "is not a directory")
     work = tempfile.mkdtemp(prefix=".offload-bench-dp-", dir=path) if nvme else path
@@ -383,7 +400,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
         "step_n_over_1": _ratio(ours["step_s"] if ok else None, one and one.get("step_s")),
         "ours_over_fsdp2_time": _ratio(ours["step_s"] if ok else None, theirs and theirs["step_s"]),
         "run": {"preset": name, "steps": steps, "warmup": warmup, "steps_per_sample": STEPS_PER_SAMPLE,
-                "cpu_budget": cpu_b, "device_budget": dev_b, "nvme": nvme},
+                "cpu_budget": cpu_b, "device_budget": dev_b, "nvme": nvme, "chunk_size": chunk},
     }
 
 
@@ -417,8 +434,10 @@ def print_report(r: dict) -> None:
         ops = ", ".join(f"{k} {_mb(v)}" for k, v in s["by_op_per_rank"][0].items())
         sent = " / ".join(_mb(x) for x in s["sent_bytes_per_rank"])
         recv = " / ".join(_mb(x) for x in s["received_bytes_per_rank"])
+        layout = s.get("layout") or {}
+        chunks = f"; {layout['chunks']} chunks of {layout['chunk_size']} elements" if layout.get("chunks") else ""
         print(f"{label:<11} sent {sent}, received {recv} per rank per step ({ops}; "
-              f"{s['ops_per_step']} ops on rank 0){'' if s['bytes_steady'] else '; varies between steps'}")
+              f"{s['ops_per_step']} ops on rank 0{chunks}){'' if s['bytes_steady'] else '; varies between steps'}")
     if r["ours_over_zero3"] is not None:
         print(f"volume      ours/ZeRO-3 {r['ours_over_zero3']:.3f}, FSDP2/ZeRO-3 "
               f"{r['fsdp2_over_zero3'] or float('nan'):.3f}, ours/FSDP2 "

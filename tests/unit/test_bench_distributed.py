@@ -121,7 +121,7 @@ def _rank_result(rank, times, sent, engine=None, error=None):
              "by_op": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3},
              "by_op_received": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3}} for s in sent]
     part = {"step_times_s": times, "collectives": coll, "losses": [5.0 + rank, 4.0 + rank],
-            "engine_collectives": [engine] if engine else [], "layout": {"chunks": 4}}
+            "engine_collectives": [engine] if engine else [], "layout": {"chunks": 4, "chunk_size": 4096}}
     return {"rank": rank, "ours": part, "fsdp2": {**part, "engine_collectives": []}}
 
 
@@ -189,6 +189,19 @@ def test_report_json_shape_and_ratios(tmp_path, monkeypatch, capsys):
 
 
 # ---- arguments ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dp_chunk_size_leaves_every_rank_several_chunks(world):
+    from offload.chunks import ChunkLayout
+
+    model = llama.LlamaForCausalLM(llama.get_preset("tiny"))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    numels = [p.numel() for _, p in model.named_parameters()]
+    size = bench_dp.dp_chunk_size(numels, world)
+    layout = ChunkLayout.build(shapes, size)
+    assert layout.num_chunks >= bench_dp.GROUPS_PER_RANK * world
+    assert size >= max(numels)
 
 
 def test_argument_checks():
