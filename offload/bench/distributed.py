@@ -110,34 +110,66 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _ours_sample(model, opt, ids, device: str, n: int = STEPS_PER_SAMPLE) -> tuple[float, list]:
+class _Phases:
+    """Bytes sent per phase of a step (forward, backward, optimizer step): where a system's
+    collectives happen, read off the counter between the phases (a lock and a dict copy each)."""
+
+    def __init__(self, counter: CollectiveCounter):
+        self.counter = counter
+        self.sent = {"forward": 0, "backward": 0, "step": 0}
+        self._last = counter.snapshot()["sent_bytes"]
+
+    def mark(self, phase: str) -> None:
+        now = self.counter.snapshot()["sent_bytes"]
+        self.sent[phase] += now - self._last
+        self._last = now
+
+
+def _sample(kind: str, model, opt, ids, device: str, counter: CollectiveCounter,
+            n: int = STEPS_PER_SAMPLE) -> tuple[float, list, dict, dict | None]:
+    """``n`` steps back to back: (seconds per step, the losses, bytes sent per step by phase, the
+    engine's own ``collectives`` summed over the steps and divided by ``n`` — ours only). Ours
+    is timed until its queued updates and their writes have finished (``offload.bench.step``);
+    reading the engine's statistics is taken off the clock."""
     _sync(device)
+    phases = _Phases(counter)
+    engine = {"sent_bytes": 0, "received_bytes": 0, "ops": 0, "by_op": {}} if kind == "ours" else None
+    off_clock = 0.0
     t0 = time.perf_counter()
     losses = []
     for _ in range(n):
+        phases.mark("step")               # the previous step's optimizer step and zero_grad
         loss = model(ids, labels=ids).loss
+        phases.mark("forward")
         loss.backward()
+        phases.mark("backward")
         opt.step()
-        opt.zero_grad()
+        if kind == "ours":
+            t = time.perf_counter()
+            _add_stats(engine, model.offload_stats().get("collectives"))
+            off_clock += time.perf_counter() - t
+            opt.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    model.offload_engine.adam.drain()
-    model.offload_engine.store.wait_idle()
+    if kind == "ours":
+        model.offload_engine.adam.drain()
+        model.offload_engine.store.wait_idle()
     _sync(device)
-    return (time.perf_counter() - t0) / n, [float(x) for x in losses]
+    seconds = (time.perf_counter() - t0 - off_clock) / n
+    phases.mark("step")
+    if engine is not None:
+        engine = _per_step(engine, n) if engine["ops"] else None
+    return seconds, [float(x) for x in losses], {k: v // n for k, v in phases.sent.items()}, engine
 
 
-def _fsdp_sample(model, opt, ids, device: str, n: int = STEPS_PER_SAMPLE) -> tuple[float, list]:
-    _sync(device)
-    t0 = time.perf_counter()
-    losses = []
-    for _ in range(n):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    _sync(device)
-    return (time.perf_counter() - t0) / n, [float(x) for x in losses]
+def _add_stats(total: dict, step: dict | None) -> None:
+    if not step:
+        return
+    for key in ("sent_bytes", "received_bytes", "ops"):
+        total[key] += int(step.get(key, 0))
+    for op, nbytes in (step.get("by_op") or {}).items():
+        total["by_op"][op] = total["by_op"].get(op, 0) + int(nbytes)
 
 
 def _build_ours(spec: dict, rank: int):
@@ -202,24 +234,24 @@ def _worker(rank: int, world: int, port: int, spec: dict, outdir: str) -> None:
                 systems["fsdp2"] = _build_fsdp(spec, world)
             for name in systems:
                 out[name] = {"step_times_s": [], "collectives": [], "losses": [], "engine_collectives": []}
-            samplers = {"ours": _ours_sample, "fsdp2": _fsdp_sample}
             names = list(systems)
             for _ in range(spec["warmup"]):
                 for name in names:
                     model, opt = systems[name]
-                    out[name]["losses"] += samplers[name](model, opt, ids, device, 1)[1]
+                    out[name]["losses"] += _sample(name, model, opt, ids, device, counter, 1)[1]
             for i in range(spec["steps"]):
                 for name in (names if i % 2 == 0 else names[::-1]):   # alternate who goes first
                     model, opt = systems[name]
                     before = counter.snapshot()
-                    seconds, losses = samplers[name](model, opt, ids, device)
+                    seconds, losses, phases, engine = _sample(name, model, opt, ids, device, counter)
                     per_step = _per_step(CollectiveCounter.since(counter.snapshot(), before))
+                    per_step["by_phase"] = phases
                     r = out[name]
                     r["step_times_s"].append(seconds)
                     r["collectives"].append(per_step)
                     r["losses"] += losses
                     if name == "ours":
-                        r["engine_collectives"].append(model.offload_stats().get("collectives"))
+                        r["engine_collectives"].append(engine)
             if "ours" in systems:
                 out["ours"]["layout"] = {k: v for k, v in systems["ours"][0].offload_stats().get("layout", {}).items()
                                          if k in ("chunks", "chunk_size")}
@@ -231,11 +263,12 @@ def _worker(rank: int, world: int, port: int, spec: dict, outdir: str) -> None:
             dist.destroy_process_group()
 
 
-def _per_step(delta: dict) -> dict:
-    n = STEPS_PER_SAMPLE
-    return {"sent_bytes": delta["sent_bytes"] // n, "received_bytes": delta["received_bytes"] // n,
-            "ops": delta["ops"] // n, "by_op": {k: v // n for k, v in delta["by_op"].items()},
-            "by_op_received": {k: v // n for k, v in delta["by_op_received"].items()}}
+def _per_step(delta: dict, n: int = STEPS_PER_SAMPLE) -> dict:
+    out = {"sent_bytes": delta["sent_bytes"] // n, "received_bytes": delta["received_bytes"] // n,
+           "ops": delta["ops"] // n, "by_op": {k: v // n for k, v in delta["by_op"].items()}}
+    if "by_op_received" in delta:
+        out["by_op_received"] = {k: v // n for k, v in delta["by_op_received"].items()}
+    return out
 
 
 def engine_agrees(engine: dict | None, sent_by_op: dict, received_by_op: dict) -> bool:
@@ -304,14 +337,17 @@ def summarize(results: list[dict], name: str) -> dict | None:
     out = {"step_s": _median(samples), "step_times_s": [round(t, 4) for t in samples],
            "sent_bytes_per_rank": sent, "received_bytes_per_rank": received, "by_op_per_rank": by_op,
            "by_op_received_per_rank": by_op_received,
+           "sent_by_phase_per_rank": per_op("by_phase"),
            "volume_bytes": max(sent + received),
            "ops_per_step": int(_median([c["ops"] for c in parts[0]["collectives"]])) if parts[0]["collectives"] else 0,
            "bytes_steady": steady, "losses": [round(x, 5) for x in losses]}
     if name == "ours":
-        engine = [p["engine_collectives"][-1] if p.get("engine_collectives") else None for p in parts]
-        out["engine_collectives_per_rank"] = engine
-        out["engine_matches_counter"] = all(
-            engine_agrees(e, s, r) for e, s, r in zip(engine, by_op, by_op_received)) if any(engine) else None
+        # sample by sample: the engine's steps against the counter's window over the same steps
+        engine = [p.get("engine_collectives") or [] for p in parts]
+        out["engine_collectives_per_rank"] = [e[-1] if e else None for e in engine]
+        checks = [engine_agrees(e, c["by_op"], c.get("by_op_received", {}))
+                  for p, es in zip(parts, engine) for e, c in zip(es, p["collectives"])]
+        out["engine_matches_counter"] = all(checks) if any(any(es) for es in engine) else None
         out["layout"] = parts[0].get("layout")
     return out
 
@@ -434,6 +470,9 @@ def print_report(r: dict) -> None:
         ops = ", ".join(f"{k} {_mb(v)}" for k, v in s["by_op_per_rank"][0].items())
         sent = " / ".join(_mb(x) for x in s["sent_bytes_per_rank"])
         recv = " / ".join(_mb(x) for x in s["received_bytes_per_rank"])
+        phases = ", ".join(f"{k} {_mb(v)}" for k, v in (s.get("sent_by_phase_per_rank") or [{}])[0].items())
+        if phases:
+            ops += f"; rank 0 sends {phases}"
         layout = s.get("layout") or {}
         chunks = f"; {layout['chunks']} chunks of {layout['chunk_size']} elements" if layout.get("chunks") else ""
         print(f"{label:<11} sent {sent}, received {recv} per rank per step ({ops}; "

@@ -121,7 +121,7 @@ def _rank_result(rank, times, sent, engine=None, error=None):
              "by_op": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3},
              "by_op_received": {"all_gather": 2 * s // 3, "reduce_scatter": s // 3}} for s in sent]
     part = {"step_times_s": times, "collectives": coll, "losses": [5.0 + rank, 4.0 + rank],
-            "engine_collectives": [engine] if engine else [], "layout": {"chunks": 4, "chunk_size": 4096}}
+            "engine_collectives": [engine] * len(sent) if engine else [], "layout": {"chunks": 4, "chunk_size": 4096}}
     return {"rank": rank, "ours": part, "fsdp2": {**part, "engine_collectives": []}}
 
 
@@ -129,13 +129,16 @@ def test_summary_takes_the_slowest_rank_per_sample_and_median_bytes():
     engine = {"sent_bytes": 300, "received_bytes": 300, "by_op": {"all_gather": 200, "reduce_scatter": 100}}
     results = [_rank_result(0, [1.0, 3.0, 2.0], [300, 300, 600], engine=engine),
                _rank_result(1, [2.0, 1.0, 2.5], [300, 300, 300], engine=engine)]
+    # the engine's own count, sample by sample (rank 0's third sample moved twice as much)
+    results[0]["ours"]["engine_collectives"][2] = {"by_op": {"all_gather": 400, "reduce_scatter": 200}}
     s = bench_dp.summarize(results, "ours")
     assert s["step_times_s"] == [2.0, 3.0, 2.5] and s["step_s"] == 2.5
     assert s["sent_bytes_per_rank"] == [300, 300] and s["bytes_steady"] is False
     assert s["losses"] == [5.5, 4.5]                          # the mean over ranks = the global batch's
     assert s["engine_matches_counter"] is True
     assert s["volume_bytes"] == 300
-    results[1]["ours"]["engine_collectives"] = [{"sent_bytes": 1, "received_bytes": 300, "by_op": {"all_gather": 1}}]
+    results[1]["ours"]["engine_collectives"] = [engine, engine, {"sent_bytes": 1, "received_bytes": 300,
+                                                                 "by_op": {"all_gather": 1}}]
     assert bench_dp.summarize(results, "ours")["engine_matches_counter"] is False
     assert "engine_collectives_per_rank" not in bench_dp.summarize(results, "fsdp2")
 
