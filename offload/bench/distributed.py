@@ -271,16 +271,32 @@ def _per_step(delta: dict, n: int = STEPS_PER_SAMPLE) -> dict:
     return out
 
 
-def engine_agrees(engine: dict | None, sent_by_op: dict, received_by_op: dict) -> bool:
-    """Whether the engine's own count of a step (``offload_stats()["collectives"]``) is the
-    counter's, op by op. The engine counts each op's bytes once for both directions (a broadcast
-    or reduce: its size on every rank), the counter each direction on its own (the root of a
-    broadcast only sends): an op agrees when the engine's figure is the larger direction's."""
-    if not engine:
+SYMMETRIC_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def engine_agrees(engine: list, sent_by_op: list, received_by_op: list) -> bool:
+    """Whether the engine's own count of a sample (``offload_stats()["collectives"]`` per rank,
+    summed over the sample's steps) is the counter's, op by op.
+
+    All-gather, reduce-scatter and all-reduce move the same bytes on every rank and each way:
+    they must agree rank by rank. A broadcast or reduce does not (along the chain the root only
+    sends, the last rank only receives); the engine may split it evenly across the ranks
+    ((N-1)/N of the tensor each) where the counter follows the chain: those agree when the
+    group's totals do, (N-1) times the tensor each way."""
+    if not engine or any(e is None for e in engine):
         return False
-    theirs = engine.get("by_op") or {}
-    ops = set(theirs) | set(sent_by_op) | set(received_by_op)
-    return all(theirs.get(op, 0) == max(sent_by_op.get(op, 0), received_by_op.get(op, 0)) for op in ops)
+    theirs = [e.get("by_op") or {} for e in engine]
+    ops = set().union(*theirs, *sent_by_op, *received_by_op)
+    for op in ops:
+        ours_sent = [s.get(op, 0) for s in sent_by_op]
+        ours_recv = [r.get(op, 0) for r in received_by_op]
+        engine_op = [t.get(op, 0) for t in theirs]
+        if op in SYMMETRIC_OPS:
+            if engine_op != ours_sent or engine_op != ours_recv:
+                return False
+        elif not sum(engine_op) == sum(ours_sent) == sum(ours_recv):
+            return False
+    return True
 
 
 def _spawn(world: int, spec: dict) -> list[dict]:
@@ -326,8 +342,9 @@ def summarize(results: list[dict], name: str) -> dict | None:
     samples = [max(ts) for ts in zip(*(p["step_times_s"] for p in parts))]
     sent = [int(_median([c["sent_bytes"] for c in p["collectives"]])) for p in parts]
     received = [int(_median([c["received_bytes"] for c in p["collectives"]])) for p in parts]
-    def per_op(key):
-        ops = sorted({k for p in parts for c in p["collectives"] for k in c.get(key, {})})
+    def per_op(key, order=()):
+        seen = {k for p in parts for c in p["collectives"] for k in c.get(key, {})}
+        ops = [k for k in order if k in seen] + sorted(seen - set(order))
         return [{k: int(_median([c.get(key, {}).get(k, 0) for c in p["collectives"]])) for k in ops}
                 for p in parts]
 
@@ -337,7 +354,7 @@ def summarize(results: list[dict], name: str) -> dict | None:
     out = {"step_s": _median(samples), "step_times_s": [round(t, 4) for t in samples],
            "sent_bytes_per_rank": sent, "received_bytes_per_rank": received, "by_op_per_rank": by_op,
            "by_op_received_per_rank": by_op_received,
-           "sent_by_phase_per_rank": per_op("by_phase"),
+           "sent_by_phase_per_rank": per_op("by_phase", ("forward", "backward", "step")),
            "volume_bytes": max(sent + received),
            "ops_per_step": int(_median([c["ops"] for c in parts[0]["collectives"]])) if parts[0]["collectives"] else 0,
            "bytes_steady": steady, "losses": [round(x, 5) for x in losses]}
@@ -345,8 +362,10 @@ def summarize(results: list[dict], name: str) -> dict | None:
         # sample by sample: the engine's steps against the counter's window over the same steps
         engine = [p.get("engine_collectives") or [] for p in parts]
         out["engine_collectives_per_rank"] = [e[-1] if e else None for e in engine]
-        checks = [engine_agrees(e, c["by_op"], c.get("by_op_received", {}))
-                  for p, es in zip(parts, engine) for e, c in zip(es, p["collectives"])]
+        samples_n = min(len(es) for es in engine)
+        checks = [engine_agrees([es[i] for es in engine], [p["collectives"][i]["by_op"] for p in parts],
+                                [p["collectives"][i].get("by_op_received", {}) for p in parts])
+                  for i in range(samples_n)]
         out["engine_matches_counter"] = all(checks) if any(any(es) for es in engine) else None
         out["layout"] = parts[0].get("layout")
     return out

@@ -144,14 +144,18 @@ def test_summary_takes_the_slowest_rank_per_sample_and_median_bytes():
 
 
 def test_engine_cross_check_is_per_op_and_per_direction():
-    # a broadcast's root only sends, the other rank only receives; the engine says b for both
-    assert bench_dp.engine_agrees({"by_op": {"all_gather": 10, "broadcast": 4}},
-                                  {"all_gather": 10, "broadcast": 4}, {"all_gather": 10})
-    assert bench_dp.engine_agrees({"by_op": {"all_gather": 10, "broadcast": 4}},
-                                  {"all_gather": 10}, {"all_gather": 10, "broadcast": 4})
-    assert not bench_dp.engine_agrees({"by_op": {"all_gather": 10}}, {"all_gather": 10, "reduce": 4}, {})
-    assert not bench_dp.engine_agrees({"by_op": {"all_gather": 12}}, {"all_gather": 10}, {"all_gather": 10})
-    assert not bench_dp.engine_agrees(None, {}, {})
+    ag = {"all_gather": 10}
+    # a 4-byte broadcast from rank 0 of 2: the counter follows the chain (rank 0 sends, rank 1
+    # receives), the engine may split it evenly; the group's totals agree
+    sent = [{"all_gather": 10, "broadcast": 4}, {"all_gather": 10}]
+    received = [{"all_gather": 10}, {"all_gather": 10, "broadcast": 4}]
+    even = [{"by_op": {"all_gather": 10, "broadcast": 2}}] * 2
+    assert bench_dp.engine_agrees(even, sent, received)
+    assert not bench_dp.engine_agrees([{"by_op": {"all_gather": 10, "broadcast": 4}}] * 2, sent, received)
+    # symmetric ops agree rank by rank
+    assert not bench_dp.engine_agrees([{"by_op": {"all_gather": 12}}, {"by_op": ag}], [ag, ag], [ag, ag])
+    assert not bench_dp.engine_agrees([{"by_op": ag}] * 2, [{**ag, "reduce": 4}, ag], [ag, {**ag, "reduce": 4}])
+    assert not bench_dp.engine_agrees([None, {"by_op": ag}], [ag, ag], [ag, ag])
 
 
 def test_summary_carries_a_refusal():
