@@ -183,16 +183,16 @@ def test_report_json_shape_and_ratios(tmp_path, monkeypatch, capsys):
     assert [c[0] for c in calls] == [1, 2] and calls[0][2] is False
     assert set(r) == {"device", "nproc", "backend", "params", "compute_dtype", "global_batch_tokens",
                       "threads_per_rank", "threads_single", "zero3_bytes_per_rank", "ours", "fsdp2", "single",
-                      "ours_over_zero3", "fsdp2_over_zero3", "ours_over_fsdp2_bytes", "step_n_over_1",
+                      "ours_over_zero3", "fsdp2_over_zero3", "ours_over_fsdp2_bytes", "ours_exceeds_fsdp2", "step_n_over_1",
                       "ours_over_fsdp2_time", "run"}
     assert r["backend"] == "gloo" and r["global_batch_tokens"] == 64
     assert r["zero3_bytes_per_rank"] == zero3_bytes(r["params"], 2, 2)
     assert r["ours_over_zero3"] == pytest.approx(900 / r["zero3_bytes_per_rank"])
-    assert r["ours_over_fsdp2_bytes"] == 1.0 and r["step_n_over_1"] == 0.75
+    assert r["ours_over_fsdp2_bytes"] == 1.0 and r["ours_exceeds_fsdp2"] is False and r["step_n_over_1"] == 0.75
     assert r["run"]["nvme"] is False and os.listdir(tmp_path) == []
     bench_dp.print_report(r)
     out = capsys.readouterr().out
-    assert "ZeRO-3" in out and "ours/FSDP2 1.000" in out and "N/1 0.75" in out and "agrees" in out
+    assert "ZeRO-3" in out and "ours/FSDP2 1.000 (at most FSDP2's" in out and "N/1 0.75" in out and "agrees" in out
 
 
 # ---- arguments ----------------------------------------------------------------------------------
