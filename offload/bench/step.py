@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-curve", default=None, metavar="TOKENS,...",
                         help="also compare in memory at each of these tokens/step, e.g. 512,2048,8192")
     parser.add_argument("--nproc", type=int, default=1,
-                        help="ranks of a data-parallel run (default 1: one process, as above); N > 1 "
+                        help="ranks of a data-parallel run (default 1: the single-process benchmark); N > 1 "
                              "measures collective bytes against ZeRO-3 and FSDP2 and step time against "
                              "N=1 instead (offload.bench.distributed)")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
