@@ -406,11 +406,16 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
 
     from .step import BYTES_PER_PARAM, _build
 
+    from ..chunks import ChunkLayout
+
     model, _ = _build(cfg, "cpu")
     numels = [p.numel() for p in model.parameters()]
     params = sum(numels)
-    del model
     chunk = chunk_size if chunk_size != "auto" else dp_chunk_size(numels, nproc)
+    # what whole-chunk collectives carry beyond the parameters (packing gaps, the last chunk's tail)
+    layout = ChunkLayout.build([(n, p.shape) for n, p in model.named_parameters()], chunk)
+    padding = sum(layout.sizes) / params - 1
+    del model
     state = BYTES_PER_PARAM * params
     nvme = cpu_budget is not None or device_budget is not None
     big = 2 * state + (256 << 20)
@@ -459,7 +464,8 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
         "step_n_over_1": _ratio(ours["step_s"] if ok else None, one and one.get("step_s")),
         "ours_over_fsdp2_time": _ratio(ours["step_s"] if ok else None, theirs and theirs["step_s"]),
         "run": {"preset": name, "steps": steps, "warmup": warmup, "steps_per_sample": STEPS_PER_SAMPLE,
-                "cpu_budget": cpu_b, "device_budget": dev_b, "nvme": nvme, "chunk_size": chunk},
+                "cpu_budget": cpu_b, "device_budget": dev_b, "nvme": nvme, "chunk_size": chunk,
+                "chunks": layout.num_chunks, "chunk_padding": round(padding, 4)},
     }
 
 
@@ -483,7 +489,8 @@ def print_report(r: dict) -> None:
           f"{r['compute_dtype']}) on {r['device']} over {r['backend']}, {r['global_batch_tokens']} tokens/step "
           f"global ({r['global_batch_tokens'] // n} per rank), {r['threads_per_rank']} thread(s) per rank")
     print(f"ZeRO-3      {_mb(r['zero3_bytes_per_rank'])} per rank per step each way "
-          f"(3 x params x 2 B x {n - 1}/{n})")
+          f"(3 x params x 2 B x {n - 1}/{n}); ours packs {r['run']['chunks']} chunks of "
+          f"{r['run']['chunk_size']} elements, {100 * r['run']['chunk_padding']:.1f}% beyond the parameters")
     for label, s in (("ours", ours), ("FSDP2", theirs)):
         if s is None:
             continue
