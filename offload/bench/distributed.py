@@ -503,10 +503,8 @@ def print_report(r: dict) -> None:
         phases = ", ".join(f"{k} {_mb(v)}" for k, v in (s.get("sent_by_phase_per_rank") or [{}])[0].items())
         if phases:
             ops += f"; rank 0 sends {phases}"
-        layout = s.get("layout") or {}
-        chunks = f"; {layout['chunks']} chunks of {layout['chunk_size']} elements" if layout.get("chunks") else ""
         print(f"{label:<11} sent {sent}, received {recv} per rank per step ({ops}; "
-              f"{s['ops_per_step']} ops on rank 0{chunks}){'' if s['bytes_steady'] else '; varies between steps'}")
+              f"{s['ops_per_step']} ops on rank 0){'' if s['bytes_steady'] else '; varies between steps'}")
     if r["ours_over_zero3"] is not None:
         versus = r["ours_over_fsdp2_bytes"]
         verdict = "" if versus is None else (" (at most FSDP2's: as issue 17 asks)" if versus <= 1 else
