@@ -79,6 +79,21 @@ def dp_chunk_size(numels: list[int], world: int) -> int:
     return search_chunk_size(numels, max_chunk=cap)
 
 
+def parse_chunk_size(text) -> int | str:
+    """``--chunk-size``: "auto" or a positive multiple of the engine's chunk quantum (elements)."""
+    from ..config import CHUNK_QUANTUM
+
+    if text is None or str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError("--chunk-size", text, "must be 'auto' or a number of elements") from None
+    if value <= 0 or value % CHUNK_QUANTUM:
+        raise ConfigError("--chunk-size", value, f"must be a positive multiple of {CHUNK_QUANTUM} elements")
+    return value
+
+
 def check_nproc(nproc) -> int:
     """``nproc`` when it is a usable number of ranks; ConfigError naming --nproc otherwise."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:

@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks of a data-parallel run (default 1: the single-process benchmark); N > 1 "
                              "measures collective bytes against ZeRO-3 and FSDP2 and step time against "
                              "N=1 instead (offload.bench.distributed)")
+    parser.add_argument("--chunk-size", default="auto", metavar="ELEMENTS",
+                        help="with --nproc > 1: elements per chunk (default: the least wasteful size that "
+                             "leaves each rank >= 4 chunks)")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
 
 
@@ -536,7 +539,8 @@ def _run_distributed(args) -> int:
         report = distributed.measure(path, nproc=args.nproc, preset=args.preset, steps=args.steps,
                                      warmup=args.warmup, batch_tokens=args.batch_tokens,
                                      cpu_budget=args.cpu_budget, device_budget=args.device_budget,
-                                     device=args.device, fsdp=not args.no_in_memory, quiet=False)
+                                     device=args.device, fsdp=not args.no_in_memory,
+                                     chunk_size=distributed.parse_chunk_size(args.chunk_size), quiet=False)
     distributed.print_report(report)
     write_json(args.json, report)
     return 0

@@ -211,6 +211,10 @@ def test_dp_chunk_size_leaves_every_rank_several_chunks(world):
     assert size >= max(numels)
 
 
+def test_chunk_size_argument():
+    assert bench_dp.parse_chunk_size("auto") == "auto" and bench_dp.parse_chunk_size("4096") == 4096
+
+
 def test_argument_checks():
     assert bench_dp.check_args(2, 512, 256, "cpu") == (2, 256)
     assert bench_dp.split_rows(4, 2, 1) == slice(2, 4)
@@ -225,6 +229,8 @@ def test_argument_checks():
     (["--nproc", "0"], "--nproc"),
     (["--nproc", "-3"], "--nproc"),
     (["--nproc", "2", "--batch-curve", "64"], "--batch-curve"),
+    (["--nproc", "2", "--chunk-size", "1000"], "--chunk-size"),
+    (["--nproc", "2", "--chunk-size", "big"], "--chunk-size"),
     (["--nproc", "2", "--batch-tokens", "100", "--preset", "tiny"], "--batch-tokens"),
 ])
 def test_command_errors_are_one_line(argv, field, tmp_path, capsys):
