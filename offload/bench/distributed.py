@@ -524,9 +524,12 @@ def print_report(r: dict) -> None:
         versus = r["ours_over_fsdp2_bytes"]
         verdict = "" if versus is None else (" (at most FSDP2's: as issue 17 asks)" if versus <= 1 else
                                              " — MORE than FSDP2 (issue 17 asks <= 1)")
-        print(f"volume      ours/ZeRO-3 {r['ours_over_zero3']:.3f}, FSDP2/ZeRO-3 "
-              f"{r['fsdp2_over_zero3'] or float('nan'):.3f}, ours/FSDP2 "
-              f"{versus or float('nan'):.3f}{verdict}")
+        parts = [f"ours/ZeRO-3 {r['ours_over_zero3']:.3f}"]
+        if r["fsdp2_over_zero3"] is not None:
+            parts.append(f"FSDP2/ZeRO-3 {r['fsdp2_over_zero3']:.3f}")
+        if versus is not None:
+            parts.append(f"ours/FSDP2 {versus:.3f}")
+        print(f"volume      {', '.join(parts)}{verdict}")
         e = ours.get("engine_collectives_per_rank") or []
         if any(e):
             agree = "agrees" if ours.get("engine_matches_counter") else "DIFFERS from the counter"

@@ -193,6 +193,11 @@ def test_report_json_shape_and_ratios(tmp_path, monkeypatch, capsys):
     bench_dp.print_report(r)
     out = capsys.readouterr().out
     assert "ZeRO-3" in out and "ours/FSDP2 1.000 (at most FSDP2's" in out and "N/1 0.75" in out and "agrees" in out
+    # without FSDP2 (--no-in-memory) the volume line holds ours alone
+    bench_dp.print_report({**r, "fsdp2": None, "fsdp2_over_zero3": None, "ours_over_fsdp2_bytes": None,
+                           "ours_exceeds_fsdp2": None, "ours_over_fsdp2_time": None})
+    out = capsys.readouterr().out
+    assert "FSDP2" not in out and "nan" not in out and "ours/ZeRO-3" in out
 
 
 # ---- arguments ----------------------------------------------------------------------------------
