@@ -56,7 +56,7 @@ def main(spec_path: str) -> None:
             n = x.shape[0] // world
             x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
             loss = model(x, y) / accumulate
-            if step == spec.get("overflow_at"):
+            if step == spec.get("overflow_at") and rank == spec.get("overflow_rank", rank):
                 loss = loss * float("inf")
             if rank == fail_rank and step == fail_step:
                 loss = FailInBackward.apply(loss)
@@ -67,10 +67,21 @@ def main(spec_path: str) -> None:
         losses.append(float(total))
         stats.append(model.offload_stats())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.save({"losses": losses, "stats": stats, "state": state}, f"{spec['out']}.rank{rank}.pt")
+    engine = model.offload_engine
+    nvme = engine.store.tiers.get("nvme")
+    torch.save({"losses": losses, "stats": stats, "state": state, "step_count": engine.step_count,
+                "skipped": engine.scaler.skipped if engine.scaler is not None else 0,
+                "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
+                "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else []},
+               f"{spec['out']}.rank{rank}.pt")
     model.offload_engine.close()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except Exception as exc:
+        # What the test reads: the error this rank ended with, on one line.
+        print(f"RANK-ERROR {type(exc).__name__}: {exc}", flush=True)
+        raise

@@ -192,12 +192,15 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         need_device = min_device_bytes_sharded(n, e, lay.largest_chunk, self.dp.world if self.dp else 1)
         trainable = [lay.sizes[c] for c in lay.trainable_chunks]
         need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), lay.largest_chunk * e)
+        groups = (f"; under {self.dp.world} ranks, 4 gathered groups of {self.dp.world} parameter chunks and "
+                  f"2 of gradient chunks being reduced" if self.dp else "")
         why = (f"chunks are {n} elements (the largest has {lay.largest_chunk}); "
                "raise the budget or lower chunk_size")
         if device_budget < need_device:
             raise ConfigError("device_budget", device_budget,
                               f"holds less than the {format_bytes(need_device)} one backward step needs "
-                              f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients): {why}")
+                              f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients"
+                              f"{groups}): {why}")
         if cpu_budget < need_cpu:
             raise ConfigError("cpu_budget", cpu_budget,
                               f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
