@@ -57,13 +57,23 @@ def main(spec_path: str) -> None:
             p.requires_grad_(False)
     model = offload.wrap(model, config)
     init_state = {k: v.clone() for k, v in model.state_dict().items()} if spec.get("init_state") else None
-    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD, max_grad_norm=spec.get("clip"))
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
+                        max_grad_norm=spec.get("clip"))
     accumulate = spec.get("accumulate", 1)
     fail_rank, fail_step = spec.get("fail_at") or (None, None)
     vocab = 256 if llama else 64
     data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4), vocab=vocab))
     losses, stats = [], []
     for step in range(spec["steps"]):
+        if step == spec.get("reload_at"):
+            # Full state dicts (collective: every rank gathers every value), into a fresh model.
+            model_state, opt_state = model.state_dict(), opt.state_dict()
+            model.offload_engine.close()
+            torch.manual_seed(1234)         # other initial values: the load must replace them all
+            model = offload.wrap(TinyGPT(checkpointing=True), config)
+            opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=spec.get("clip"))
+            model.load_state_dict(model_state)
+            opt.load_state_dict(opt_state)
         total = torch.zeros(())
         for _ in range(accumulate):
             x, y = next(data)

@@ -186,3 +186,13 @@ def test_a_lazily_built_llama_with_frozen_layers_materializes_and_trains_like_to
         if any(k.startswith(f) for f in freeze):
             assert torch.equal(out[0]["state"][k], init[k]), k       # frozen: untouched
     assert_state_close(out[1]["state"], final, rtol=1e-5, atol=1e-5)
+
+
+def test_full_state_dicts_round_trip_under_two_ranks(tmp_path):
+    """model.state_dict() / optimizer.state_dict() gather every value on every rank; loading
+    them into a fresh wrapped model writes each rank's own chunks; training goes on as if
+    uninterrupted."""
+    want_losses, want_state = reference(6)
+    out = run(tmp_path, 2, 6, reload_at=3)
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
