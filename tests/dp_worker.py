@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -64,7 +65,16 @@ def main(spec_path: str) -> None:
     vocab = 256 if llama else 64
     data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4), vocab=vocab))
     losses, stats = [], []
+    preempt = None
+    if spec.get("preempt_at"):
+        def save():
+            Path(f"{spec['out']}.rank{rank}.saved").write_text(str(len(losses)))
+        preempt = offload.on_preempt(save).install()
     for step in range(spec["steps"]):
+        if preempt is not None:
+            if spec["preempt_at"] == [rank, step]:
+                os.kill(os.getpid(), signal.SIGTERM)     # this rank alone is told to stop
+            preempt.after_step()
         if step == spec.get("reload_at"):
             # Full state dicts (collective: every rank gathers every value), into a fresh model.
             model_state, opt_state = model.state_dict(), opt.state_dict()

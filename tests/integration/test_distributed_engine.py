@@ -99,9 +99,12 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
 
 
 def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
+    """Three tiers (a CPU region standing in for the GPU, CPU, NVMe): borrowed chunks land in
+    the device tier; accumulated fp32 gradients of every chunk stay each rank's own until the
+    last micro-batch."""
     want_losses, want_state = reference(6, accumulate=3)
     out = run(tmp_path, 2, 6, accumulate=3,
-              config=config(tmp_path, gradient_accumulation_steps=3))
+              config=config(tmp_path, gradient_accumulation_steps=3, merge_host_tiers=False))
     assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
 
@@ -196,3 +199,12 @@ def test_full_state_dicts_round_trip_under_two_ranks(tmp_path):
     out = run(tmp_path, 2, 6, reload_at=3)
     assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_a_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Only rank 1 gets SIGTERM (before step 3): the ranks agree at the step boundary, both save
+    after the same 3 steps (a checkpoint is collective) and exit 143."""
+    results = launch(WORKER, {"steps": 6, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "preempt_at": [1, 3], "timeout_s": 60}, 2, tmp_path, timeout_s=180)
+    assert [r.returncode for r in results] == [143, 143], [r.output[-2000:] for r in results]
+    assert [(tmp_path / f"r.rank{r}.saved").read_text() for r in range(2)] == ["3", "3"]
