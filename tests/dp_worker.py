@@ -85,6 +85,7 @@ def main(spec_path: str) -> None:
             opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=spec.get("clip"))
             model.load_state_dict(model_state)
             opt.load_state_dict(opt_state)
+            module = model
         total = torch.zeros(())
         for _ in range(accumulate):
             x, y = next(data)

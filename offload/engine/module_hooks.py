@@ -101,6 +101,9 @@ class ModuleHooks:
         if module is self.model and self.in_backward and not self._autograd_running():
             self._abort_backward()
         if module is self.model and not self.in_backward:
+            if self._closed:
+                raise OffloadError("this model's offload engine was closed (engine.close()): its values "
+                                   "and swap files are gone; wrap a model again to train")
             if self.dp is not None:
                 self._refuse_ddp()
             self._begin_iteration()
