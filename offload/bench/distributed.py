@@ -419,9 +419,8 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
     rows, seq = check_args(nproc, batch_tokens, cfg.max_seq_len, device)
     path = os.path.abspath(os.fspath(path))
 
-    from .step import BYTES_PER_PARAM, _build
-
     from ..chunks import ChunkLayout
+    from .step import BYTES_PER_PARAM, _build
 
     model, _ = _build(cfg, "cpu")
     numels = [p.numel() for p in model.parameters()]
