@@ -380,7 +380,19 @@ def make_plan(args, cfg, config, described=None, ranks: Ranks = Ranks()):
     for path in rank_paths(args, ranks):
         argv += ["--nvme-path", path]
     pargs = parser.parse_args(argv)
-    hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    # The planner takes the box's figures and gives each of its ranks a share; under torchrun this
+    # rank may be held to one thread (OMP_NUM_THREADS=1): measure with all the cores.
+    import torch
+
+    from offload.native import physical_cores
+
+    threads = torch.get_num_threads()
+    if ranks.many:
+        torch.set_num_threads(physical_cores())
+    try:
+        hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    finally:
+        torch.set_num_threads(threads)
     policy = Policy(batch_tokens=args.batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                     activation_checkpointing=not args.no_checkpointing,
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
