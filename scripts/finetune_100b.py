@@ -380,19 +380,17 @@ def make_plan(args, cfg, config, described=None, ranks: Ranks = Ranks()):
     for path in rank_paths(args, ranks):
         argv += ["--nvme-path", path]
     pargs = parser.parse_args(argv)
-    # The planner takes the box's figures and gives each of its ranks a share; under torchrun this
-    # rank may be held to one thread (OMP_NUM_THREADS=1): measure with all the cores.
-    import torch
+    hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    if ranks.many and hardware.gpu_mem is None and sources.get("compute_tflops", "").startswith("measured"):
+        # The planner takes the box's figures and gives each rank 1/local_world. A CPU-only rank
+        # computes with its own threads (torchrun: OMP_NUM_THREADS=1), as measured here: the box
+        # runs local_world of them at once.
+        import dataclasses
 
-    from offload.native import physical_cores
+        import torch
 
-    threads = torch.get_num_threads()
-    if ranks.many:
-        torch.set_num_threads(physical_cores())
-    try:
-        hardware, sources, notes = planner_cli.gather_hardware(pargs)
-    finally:
-        torch.set_num_threads(threads)
+        hardware = dataclasses.replace(hardware, compute_tflops=hardware.compute_tflops * ranks.local_world)
+        sources["compute_tflops"] += f", {torch.get_num_threads()} thread(s) a rank x {ranks.local_world} ranks"
     policy = Policy(batch_tokens=args.batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                     activation_checkpointing=not args.no_checkpointing,
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
