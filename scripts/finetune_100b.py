@@ -49,7 +49,6 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -114,14 +113,15 @@ class QuietExit(SystemExit):
         super().__init__(1)
 
 
-@dataclass(frozen=True)
 class Ranks:
-    """This process's place among the ranks torchrun started (world 1: a single process)."""
+    """This process's place among the ranks torchrun started (world 1: a single process).
 
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    local_world: int = 1
+    (A plain class: tests load this script with importlib, where a dataclass cannot find its module.)"""
+
+    __slots__ = ("rank", "world", "local_rank", "local_world")
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, local_world: int = 1):
+        self.rank, self.world, self.local_rank, self.local_world = rank, world, local_rank, local_world
 
     @classmethod
     def from_env(cls) -> "Ranks":
