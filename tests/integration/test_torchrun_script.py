@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,10 +67,8 @@ def test_two_ranks_train_as_one_process_with_one_log(disk_tmp):
     assert {p.name for p in (disk_tmp / "nvme").iterdir()} == {"rank0", "rank1"}
 
     # The same flags in one process see the same global batches: the same losses.
-    single = subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--steps", str(STEPS), "--nvme-path",
-                             str(disk_tmp / "nvme1"), "--json-log", str(log1)],
-                            capture_output=True, text=True, env=env(), timeout=240, cwd=ROOT)
-    assert single.returncode == 0, single.stderr[-3000:]
+    alone = single(ARGS + ["--steps", str(STEPS), "--nvme-path", str(disk_tmp / "nvme1"), "--json-log", str(log1)])
+    assert alone.returncode == 0, alone.stderr[-3000:]
     one = losses(log1)
     for a, b in zip(one, two):
         assert abs(a - b) <= 1e-4 * abs(a), (one, two)
@@ -100,3 +99,35 @@ def test_a_failure_on_one_rank_stops_every_rank(disk_tmp):
     assert errors[0].startswith("finetune: error: rank 1: --nvme-path=") and "cannot be created" in errors[0]
     assert str(disk_tmp / "nvme1") in errors[0]
     assert 'finetune_100b.py", line' not in done.stderr
+
+
+def single(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env(),
+                          timeout=240, cwd=ROOT)
+
+
+def test_a_checkpoint_resumes_at_another_world_size(disk_tmp):
+    """Saved by 2 ranks, resumed by 1 process; saved by 1, resumed by 2 ranks: the resumed steps
+    are the ones the saving run went on to take (the checkpoint is resharded by chunk index)."""
+    from offload.checkpoint import list_checkpoints
+
+    def run(launch, tag: str, *extra: str) -> list[float]:
+        log = disk_tmp / f"{tag}.jsonl"
+        done = launch(ARGS + ["--steps", "8", "--nvme-path", str(disk_tmp / f"nvme-{tag}"),
+                              "--json-log", str(log), *extra])
+        assert done.returncode == 0, done.stderr[-3000:]
+        return losses(log)
+
+    def step4(tag: str) -> Path:
+        """A checkpoint directory holding only the step-4 checkpoint of run ``tag``."""
+        first = list_checkpoints(disk_tmp / f"ckpt-{tag}")[0]
+        target = disk_tmp / f"from-{tag}"
+        shutil.copytree(first, target / first.name)
+        return target
+
+    for saver, resumer, tag in ((torchrun, single, "two"), (single, torchrun, "one")):
+        straight = run(saver, tag, "--checkpoint-dir", str(disk_tmp / f"ckpt-{tag}"), "--checkpoint-every", "4")
+        resumed = run(resumer, tag + "-resumed", "--checkpoint-dir", str(step4(tag)), "--resume")
+        assert len(straight) == 8 and len(resumed) == 4, (straight, resumed)
+        for a, b in zip(straight[4:], resumed):
+            assert abs(a - b) <= 1e-4 * abs(a), (tag, straight, resumed)
