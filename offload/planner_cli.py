@@ -456,7 +456,8 @@ def _ranks_text(p: Plan) -> list[str]:
     coll = b["collective_bytes"]
     return [f"data parallel: {world} ranks, {local} on this box; the plan below is one rank's: it owns "
             f"{b['owned_chunks']} of the {b['num_chunks']} chunks and computes {b['rank_tokens']} tokens of each "
-            f"step; the box's RAM, NVMe and CPU Adam below are split {local} ways; collectives per step "
+            f"step; " + (f"the box's RAM, NVMe and CPU Adam below are split {local} ways" if local > 1 else
+                         "the box below is this rank's alone") + "; collectives per step "
             f"(not timed): all-gather {format_size(coll['all_gather'])}, reduce-scatter "
             f"{format_size(coll['reduce_scatter'])} per rank"]
 
