@@ -65,7 +65,7 @@ from .errors import ConfigError
 from .planner_activations import activation_problems, area_budget, place_activations
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
 from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
-                           min_device_bytes)
+                           min_device_bytes_sharded)
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -434,7 +434,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     placed = place_activations(cfg, e, po.activation_offload, micro, act_per_tok,
                                area_budget(hw, device_budget, cpu_budget))
     act_total = placed.device_bytes                 # on the GPU during one micro-batch
-    device_min = min_device_bytes(chunk, e, largest)
+    device_min = min_device_bytes_sharded(chunk, e, largest, world)   # gathered groups under several ranks
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest

@@ -20,7 +20,7 @@ SCRIPT = ROOT / "scripts" / "finetune_100b.py"
 # 4 sequences of 32 tokens a step (2 a rank); small budgets give the tiny model several chunks,
 # so both ranks own some.
 ARGS = ["--preset", "tiny", "--dtype", "fp32", "--batch-tokens", "128", "--seq-len", "32",
-        "--device-budget", "6M", "--cpu-budget", "6M", "--no-plan", "--seed", "0", "--warmup", "2"]
+        "--device-budget", "8M", "--cpu-budget", "6M", "--no-plan", "--seed", "0", "--warmup", "2"]
 STEPS = 10
 
 
