@@ -548,7 +548,9 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         problems.append(
             f"device budget {format_size(device_budget)} is below the largest chunk ({largest:,} elements) "
             f"and 2 chunks of {chunk:,}, parameters and fp32 gradients ({format_size(device_min)}): the "
-            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once")
+            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once"
+            + ("" if world == 1 else f", and under {world} ranks each chunk in use brings its group of {world}: "
+               "4 gathered parameter groups and 2 gradient groups being reduced"))
     if cpu_budget < cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "

@@ -67,10 +67,23 @@ def test_ranks_on_one_box_split_its_ram_nvme_and_cpu():
 
 def test_more_ranks_than_the_nvme_holds_is_refused():
     hw = Hardware(**{**BOX, "nvme_capacity": 1 << 40, "cpu_mem": 256 << 30})
-    policy = Policy(batch_tokens=65536, seq_len=4096)
-    assert plan("100b", hw, dataclasses.replace(policy, world=16, local_world=2)).fits
+    policy = Policy(batch_tokens=16384, seq_len=4096)
+    assert plan("100b", hw, dataclasses.replace(policy, world=4, local_world=2)).fits
     refused = plan("100b", hw, dataclasses.replace(policy, world=2, local_world=2))
     assert not refused.fits and "NVMe needs" in refused.reason and "one rank of 2" in refused.reason
+
+
+def test_the_device_minimum_grows_with_the_gathered_groups():
+    """Under N ranks a chunk in use brings its group of N: the engine's minimum device budget
+    (``min_device_bytes_sharded``) holds the gathered and reducing groups, and the plan refuses a
+    device budget below it."""
+    hw = Hardware(**BOX)
+    policy = Policy(batch_tokens=65536, seq_len=4096)
+    mins = [plan("70b", hw, dataclasses.replace(policy, world=w, local_world=min(w, 8))).breakdown["device_min_bytes"]
+            for w in (1, 2, 16)]
+    assert mins[0] < mins[1] < mins[2]
+    big = plan("70b", hw, dataclasses.replace(policy, world=16, local_world=8))
+    assert not big.fits and "device budget" in big.reason
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -87,9 +100,9 @@ def test_bad_world_is_a_config_error(fields, match):
 def test_plan_command_takes_the_world(capsys):
     args = ["plan", "--model", "70b", "--gpu-mem", "80G", "--cpu-mem", "1T", "--nvme-capacity", "32T",
             "--nvme-gbps", "25", "--gpu-tflops", "400", "--batch-tokens", "65536", "--seq-len", "4096"]
-    assert main(args + ["--world", "16", "--local-world", "8"]) == 0
+    assert main(args + ["--world", "4", "--local-world", "4"]) == 0
     out = capsys.readouterr().out
-    assert "data parallel: 16 ranks, 8 on this box" in out and "this rank's" in out
+    assert "data parallel: 4 ranks, 4 on this box" in out and "this rank's" in out
     assert main(args + ["--world", "2", "--local-world", "4"]) == 1
     assert "--local-world=4" in capsys.readouterr().err
     assert planner_cli._ranks(type("A", (), {"world": 4, "local_world": None})()) == {"world": 4, "local_world": 4}
