@@ -169,10 +169,19 @@ class Ranks:
             backend = "gloo"
         dist.init_process_group(backend)
 
-    def stop(self) -> None:
+    def failed(self, exc: BaseException) -> None:
+        """Leave this rank's failure where its peers, blocked in a collective, can name it."""
+        if self.many and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            from offload.distributed import failure
+
+            failure.mark_failed(self.rank, exc)
+
+    def stop(self, clean: bool = True) -> None:
+        """Leave the process group. After a failure NCCL may still hold collectives that wait for
+        this rank: then the process just ends (torchrun stops the others)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and (clean or dist.get_backend() != "nccl"):
             dist.destroy_process_group()
 
     @contextmanager
@@ -481,10 +490,16 @@ def main(argv=None) -> int:
     args = parse_args(argv, quiet=not ranks.lead)
     if ranks.many:
         ranks.start()
+    clean = False
     try:
-        return train(args, ranks)
+        code = train(args, ranks)
+        clean = True
+        return code
+    except BaseException as exc:
+        ranks.failed(exc)
+        raise
     finally:
-        ranks.stop()
+        ranks.stop(clean)
 
 
 def train(args, ranks: Ranks) -> int:
