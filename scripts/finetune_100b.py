@@ -168,6 +168,21 @@ class Ranks:
         else:
             backend = "gloo"
         dist.init_process_group(backend)
+        from offload.distributed import failure
+
+        failure.install(self.rank)          # a peer blocked on this rank can then name it
+
+    def _collective(self, what: str, call):
+        """Run a collective; a peer's failure becomes a one-line DistributedError naming it."""
+        from offload.distributed import failure
+        from offload.errors import DistributedError
+
+        try:
+            return call()
+        except Exception as exc:
+            failed, why = failure.failed_peer()
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(self.rank, what, f"{why} (here: {detail})" if why else detail, failed) from exc
 
     def failed(self, exc: BaseException) -> None:
         """Leave this rank's failure where its peers, blocked in a collective, can name it."""
@@ -207,7 +222,7 @@ class Ranks:
         mine = None if error is None else (isinstance(error, OffloadError), f"{error}" if isinstance(
             error, OffloadError) else f"{type(error).__name__}: {error}")
         everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)
+        self._collective("all_gather_object (setup)", lambda: dist.all_gather_object(everyone, mine))
         failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
         if not failed:
             return
@@ -225,7 +240,7 @@ class Ranks:
         import torch.distributed as dist
 
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast_object_list (the plan)", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
     def mean(self, value: float, device) -> float:
@@ -236,7 +251,7 @@ class Ranks:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
+        self._collective("all_reduce (the logged loss)", lambda: dist.all_reduce(t))
         return t.item() / self.world
 
 
