@@ -100,13 +100,34 @@ class Preemption:
 
     def after_step(self, save: Callable[[], object] | None = None) -> None:
         """Call between steps: when a signal has come, run ``save`` (or the constructor's) and
-        raise ``SystemExit`` with the documented status; otherwise return at once."""
+        raise ``SystemExit`` with the documented status; otherwise return at once.
+
+        Under several ranks (torch.distributed) this is a collective: the ranks agree whether any
+        of them got a signal (one all-reduce), so all of them save the same step together (a
+        checkpoint is itself collective) rather than one leaving the others waiting."""
+        self.signum = _agreed_signum(self.signum)
         if self.signum is None:
             return
         save = save if save is not None else self.save
         if save is not None:
             save()
         raise SystemExit(exit_status(self.signum))
+
+
+def _agreed_signum(signum: int | None) -> int | None:
+    """The largest signal number any rank has seen (None when none has); ``signum`` itself
+    without a process group of several ranks."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:         # offload is importable without torch for its CLI tools
+        return signum
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return signum
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
 
 
 def on_preempt(save: Callable[[], object] | None = None, *, signals: Iterable[int] = DEFAULT_SIGNALS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -42,20 +43,53 @@ def main(spec_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.get("timeout_s", 60)))
     torch.manual_seed(spec.get("seed", 0))
-    model = TinyGPT(checkpointing=spec.get("checkpointing", True))
-    model = offload.wrap(model, offload.OffloadConfig(**spec["config"]))
-    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=spec.get("clip"))
+    config = offload.OffloadConfig(**spec["config"])
+    llama = spec.get("model") == "llama"
+    if llama:       # offload's own Llama, built lazily (on meta, materialized chunk by chunk)
+        from offload.models.llama import LlamaForCausalLM, get_preset
+
+        with offload.lazy_init(config):
+            model = LlamaForCausalLM(get_preset("tiny"))
+        model.model.gradient_checkpointing = True
+    else:
+        model = TinyGPT(checkpointing=spec.get("checkpointing", True))
+    for name, p in model.named_parameters():
+        if any(name.startswith(f) for f in spec.get("freeze", ())):
+            p.requires_grad_(False)
+    model = offload.wrap(model, config)
+    init_state = {k: v.clone() for k, v in model.state_dict().items()} if spec.get("init_state") else None
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
+                        max_grad_norm=spec.get("clip"))
     accumulate = spec.get("accumulate", 1)
     fail_rank, fail_step = spec.get("fail_at") or (None, None)
-    data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4)))
+    vocab = 256 if llama else 64
+    data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4), vocab=vocab))
     losses, stats = [], []
+    preempt = None
+    if spec.get("preempt_at"):
+        def save():
+            Path(f"{spec['out']}.rank{rank}.saved").write_text(str(len(losses)))
+        preempt = offload.on_preempt(save).install()
     for step in range(spec["steps"]):
+        if preempt is not None:
+            if spec["preempt_at"] == [rank, step]:
+                os.kill(os.getpid(), signal.SIGTERM)     # this rank alone is told to stop
+            preempt.after_step()
+        if step == spec.get("reload_at"):
+            # Full state dicts (collective: every rank gathers every value), into a fresh model.
+            model_state, opt_state = model.state_dict(), opt.state_dict()
+            model.offload_engine.close()
+            torch.manual_seed(1234)         # other initial values: the load must replace them all
+            model = offload.wrap(TinyGPT(checkpointing=True), config)
+            opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=spec.get("clip"))
+            model.load_state_dict(model_state)
+            opt.load_state_dict(opt_state)
         total = torch.zeros(())
         for _ in range(accumulate):
             x, y = next(data)
             n = x.shape[0] // world
             x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-            loss = model(x, y) / accumulate
+            loss = (model(x, labels=y).loss if llama else model(x, y)) / accumulate
             if step == spec.get("overflow_at") and rank == spec.get("overflow_rank", rank):
                 loss = loss * float("inf")
             if rank == fail_rank and step == fail_step:
@@ -69,7 +103,7 @@ def main(spec_path: str) -> None:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     engine = model.offload_engine
     nvme = engine.store.tiers.get("nvme")
-    torch.save({"losses": losses, "stats": stats, "state": state, "step_count": engine.step_count,
+    torch.save({"losses": losses, "stats": stats, "state": state, "init_state": init_state, "step_count": engine.step_count,
                 "skipped": engine.scaler.skipped if engine.scaler is not None else 0,
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
                 "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else []},

@@ -3,8 +3,10 @@
 Every collective is started asynchronously (``async_op=True``: NCCL runs it on its own stream,
 gloo on its own thread) and waited for where its data is needed, through ``wait``. Bytes are
 counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): an all-gather
-or reduce-scatter of N pieces of b bytes moves (N-1)·b in and out of each rank, a broadcast or
-reduce of b bytes b, an all-reduce 2(N-1)/N of its size.
+or reduce-scatter of N pieces of b bytes moves (N-1)·b in and out of each rank; a broadcast or
+reduce of b bytes (N-1)/N·b (a pipelined ring: every rank but one receives b, every rank but
+one sends it; N of them, one rooted at each rank, move what one all-gather does); an
+all-reduce 2(N-1)/N of its size.
 
 A failed collective (a dead peer, a timeout) becomes a ``DistributedError`` naming this rank,
 the collective, and the failed rank when that rank left its name in the process group's store
@@ -39,7 +41,7 @@ class Collectives:
         return self._call("all_gather", lambda: dist.all_gather(list(outputs), own, group=self.group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, src: int):
-        self._count("broadcast", _nbytes(tensor))
+        self._count("broadcast", (self.world - 1) * _nbytes(tensor) // self.world)
         return self._call(f"broadcast from rank {src}",
                           lambda: dist.broadcast(tensor, src, group=self.group, async_op=True))
 
@@ -51,7 +53,7 @@ class Collectives:
 
     def reduce(self, tensor: torch.Tensor, dst: int):
         """Sum ``tensor`` over ranks into rank ``dst``'s (in place)."""
-        self._count("reduce", _nbytes(tensor))
+        self._count("reduce", (self.world - 1) * _nbytes(tensor) // self.world)
         return self._call(f"reduce to rank {dst}", lambda: dist.reduce(tensor, dst, group=self.group, async_op=True))
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

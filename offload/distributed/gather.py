@@ -40,6 +40,8 @@ class GroupGather:
         self.trace: list[int] | None = None     # groups in first-demand order over the first iteration
         self._recording: list[int] = []
         self._pos = 0
+        self.hits = 0       # demands met by a group already gathered (or on its way)
+        self.misses = 0     # demands that had to start a gather and wait for it
 
     # ---- the engine's calls ----------------------------------------------------------------
     def begin_iteration(self) -> None:
@@ -51,11 +53,19 @@ class GroupGather:
         """Chunk ``c``'s parameters are on this rank's compute tier when this returns."""
         g = self.sharding.group_of(c)
         if g not in self.window:
+            self.misses += 1
             self._start(g)
+        else:
+            self.hits += 1
         self.window.move_to_end(g)
         self._complete(g)
         protect = {g} | self._follow_trace(g)
         self._trim(protect)
+
+    def take_stats(self) -> dict:
+        out = {"gather_hits": self.hits, "gather_misses": self.misses}
+        self.hits = self.misses = 0
+        return out
 
     def holds(self, c: int) -> bool:
         """Whether a collective in flight reads this rank's chunk ``c`` (its update must wait)."""

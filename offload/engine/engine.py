@@ -274,7 +274,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             "activations": self.activations.take_stats() if self.activations is not None else None,
         }
         if self.comms is not None:
-            self.last_stats["collectives"] = self.comms.take_stats()
+            self.last_stats["collectives"] = {**self.comms.take_stats(), **self.gather.take_stats()}
             self.last_stats["rank"] = self.dp.rank
             self.last_stats["world_size"] = self.dp.world
         self.prefetcher.hits = self.prefetcher.misses = 0

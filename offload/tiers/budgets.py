@@ -66,7 +66,10 @@ def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_eleme
     one = min_device_bytes(chunk_elements, elem_bytes, largest_elements)
     if world <= 1:
         return one
-    return one + (world - 1) * largest * (GATHERED_GROUPS * elem_bytes + REDUCING_GROUPS * grad_bytes)
+    # One of the groups may be the oversized chunk's; the others hold bulk chunks.
+    gathered = (largest + (GATHERED_GROUPS - 1) * chunk_elements) * elem_bytes
+    reducing = (largest + (REDUCING_GROUPS - 1) * chunk_elements) * grad_bytes
+    return one + (world - 1) * (gathered + reducing)
 
 
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:

@@ -99,9 +99,12 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
 
 
 def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
+    """Three tiers (a CPU region standing in for the GPU, CPU, NVMe): borrowed chunks land in
+    the device tier; accumulated fp32 gradients of every chunk stay each rank's own until the
+    last micro-batch."""
     want_losses, want_state = reference(6, accumulate=3)
     out = run(tmp_path, 2, 6, accumulate=3,
-              config=config(tmp_path, gradient_accumulation_steps=3))
+              config=config(tmp_path, gradient_accumulation_steps=3, merge_host_tiers=False))
     assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
 
@@ -153,3 +156,55 @@ def test_a_rank_failing_in_backward_ends_every_rank_with_an_error_naming_it(tmp_
     assert "injected failure in backward" in results[1].output
     line = next(l for l in results[0].output.splitlines() if l.startswith("RANK-ERROR"))
     assert "DistributedError" in line and "rank 1" in line, line
+
+
+def test_a_lazily_built_llama_with_frozen_layers_materializes_and_trains_like_torch(tmp_path):
+    """lazy_init under two ranks: each materializes only the chunks it owns, and the gathered
+    weights equal eager construction. Frozen layers (their own chunks: parameters only) are
+    gathered for compute and never reduced or updated."""
+    from offload.models.llama import LlamaForCausalLM, get_preset
+
+    freeze = ["model.layers.0.", "model.layers.1."]
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(get_preset("tiny"))
+    ref.model.gradient_checkpointing = True
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    for name, p in ref.named_parameters():
+        p.requires_grad_(not any(name.startswith(f) for f in freeze))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    want = []
+    for x, y in batches(3, vocab=256):
+        loss = ref(x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    cfg = config(tmp_path, device_budget="8MiB", cpu_budget="6MiB", chunk_size="auto")
+    out = run(tmp_path, 2, 3, model="llama", freeze=freeze, init_state=True, config=cfg)
+    for o in out:
+        assert all(torch.equal(o["init_state"][k], v) for k, v in init.items())
+    assert mean_losses(out) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    final = ref.state_dict()
+    for k in final:
+        if any(k.startswith(f) for f in freeze):
+            assert torch.equal(out[0]["state"][k], init[k]), k       # frozen: untouched
+    assert_state_close(out[1]["state"], final, rtol=1e-5, atol=1e-5)
+
+
+def test_full_state_dicts_round_trip_under_two_ranks(tmp_path):
+    """model.state_dict() / optimizer.state_dict() gather every value on every rank; loading
+    them into a fresh wrapped model writes each rank's own chunks; training goes on as if
+    uninterrupted."""
+    want_losses, want_state = reference(6)
+    out = run(tmp_path, 2, 6, reload_at=3)
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_a_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Only rank 1 gets SIGTERM (before step 3): the ranks agree at the step boundary, both save
+    after the same 3 steps (a checkpoint is collective) and exit 143."""
+    results = launch(WORKER, {"steps": 6, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "preempt_at": [1, 3], "timeout_s": 60}, 2, tmp_path, timeout_s=180)
+    assert [r.returncode for r in results] == [143, 143], [r.output[-2000:] for r in results]
+    assert [(tmp_path / f"r.rank{r}.saved").read_text() for r in range(2)] == ["3", "3"]
