@@ -82,8 +82,9 @@ def test_the_device_minimum_grows_with_the_gathered_groups():
     mins = [plan("70b", hw, dataclasses.replace(policy, world=w, local_world=min(w, 8))).breakdown["device_min_bytes"]
             for w in (1, 2, 16)]
     assert mins[0] < mins[1] < mins[2]
-    big = plan("70b", hw, dataclasses.replace(policy, world=16, local_world=8))
-    assert not big.fits and "device budget" in big.reason
+    assert plan("70b", hw, dataclasses.replace(policy, world=16, local_world=8)).fits
+    big = plan("70b", hw, dataclasses.replace(policy, batch_tokens=32 * 4096, world=32, local_world=8))
+    assert not big.fits and "device budget" in big.reason and "group of 32" in big.reason
 
 
 @pytest.mark.parametrize("fields, match", [
