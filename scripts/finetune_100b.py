@@ -659,7 +659,8 @@ def train(args, ranks: Ranks) -> int:
 
     # SIGTERM/SIGINT: the step in flight finishes, then save + exit 143/130 (see the docstring).
     # torchrun passes a signal on to every rank, so all of them save together.
-    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune").install()
+    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune",
+                         **({} if ranks.lead else {"notify": None})).install()
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
