@@ -505,6 +505,10 @@ def main(argv=None) -> int:
     args = parse_args(argv, quiet=not ranks.lead)
     if ranks.many:
         ranks.start()
+    if not ranks.lead:
+        import warnings
+
+        warnings.simplefilter("ignore")     # rank 0 shows the same ones: one log for the run
     clean = False
     try:
         code = train(args, ranks)
