@@ -133,3 +133,31 @@ def test_a_checkpoint_resumes_at_another_world_size(disk_tmp):
         assert len(straight) == 8 and len(resumed) == 4, (straight, resumed)
         for a, b in zip(straight[4:], resumed):
             assert abs(a - b) <= 1e-4 * abs(a), (tag, straight, resumed)
+
+
+@pytest.mark.xfail(reason="needs the HF export gathered across ranks (offload/hf/export.py: in progress); "
+                          "remove this mark when it lands", strict=False)
+def test_two_ranks_write_the_model_one_process_would(disk_tmp):
+    """--model DIR --output DIR under 2 ranks: one HF directory, with the weights one process with
+    the same flags trains (to fp32 rounding: the gradients are averaged over two halves)."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from hf_models import save_tiny
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    src = save_tiny(disk_tmp / "src", "llama")
+    data = disk_tmp / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = ["--model", str(src), "--data", str(data), "--steps", "3", "--batch-tokens", "128", "--seq-len", "32",
+            "--dtype", "fp32", "--device-budget", "1M", "--cpu-budget", "1M", "--no-plan", "--lr", "1e-2",
+            "--warmup", "1", "--max-shard-size", "20KB"]
+    two = torchrun(args + ["--nvme-path", str(disk_tmp / "nvme2"), "--output", str(disk_tmp / "out2")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = single(args + ["--nvme-path", str(disk_tmp / "nvme1"), "--output", str(disk_tmp / "out1")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(str(d)).state_dict()  # noqa: E731
+    mine, theirs = load(disk_tmp / "out2"), load(disk_tmp / "out1")
+    assert mine.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert (mine[name] - value).abs().max() <= 1e-4 * max(1.0, value.abs().max().item()), name
