@@ -58,6 +58,7 @@ def main(spec_path: str) -> None:
             p.requires_grad_(False)
     model = offload.wrap(model, config)
     init_state = {k: v.clone() for k, v in model.state_dict().items()} if spec.get("init_state") else None
+    module = torch.nn.parallel.DistributedDataParallel(model) if spec.get("ddp") else model
     opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
                         max_grad_norm=spec.get("clip"))
     accumulate = spec.get("accumulate", 1)
@@ -89,7 +90,7 @@ def main(spec_path: str) -> None:
             x, y = next(data)
             n = x.shape[0] // world
             x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-            loss = (model(x, labels=y).loss if llama else model(x, y)) / accumulate
+            loss = (module(x, labels=y).loss if llama else module(x, y)) / accumulate
             if step == spec.get("overflow_at") and rank == spec.get("overflow_rank", rank):
                 loss = loss * float("inf")
             if rank == fail_rank and step == fail_step:

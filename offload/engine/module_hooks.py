@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..errors import ConfigError, OffloadError
+from ..errors import ConfigError, OffloadError, UnsupportedError
 from ..scheduler import NextUsePolicy
 from .hooks import map_tensors, wrap_for_backward
 from .stepper import ScaleGrad
@@ -101,6 +101,8 @@ class ModuleHooks:
         if module is self.model and self.in_backward and not self._autograd_running():
             self._abort_backward()
         if module is self.model and not self.in_backward:
+            if self.dp is not None:
+                self._refuse_ddp()
             self._begin_iteration()
             if torch.is_grad_enabled():
                 self.saved.enter()
@@ -120,6 +122,20 @@ class ModuleHooks:
         if self.gpu_timeline is not None:
             self.gpu_timeline.start(("forward", module))
         return args
+
+    def _refuse_ddp(self) -> None:
+        """DistributedDataParallel around a wrapped model would all-reduce gradients the engine
+        already reduces, into buckets sized for the placeholder parameters (autograd then fails
+        with a shape error nobody can place): say what to do instead."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        outer = DDP._get_active_ddp_module()
+        if outer is not None and outer.module is self.model:
+            raise UnsupportedError(
+                "the offloaded model runs inside torch's DistributedDataParallel: offload.wrap already "
+                "shards it across the process group's ranks and averages its gradients; train the "
+                "wrapped model itself (not a DDP/accelerate-prepared copy: under torchrun, HF Trainer "
+                "and accelerate.prepare wrap models in DDP, which offload does not support)")
 
     def _release_after_own_backward(self, module: nn.Module, args):
         """A module with no trainable parameter (a LoRA base layer) gets no gradient that would

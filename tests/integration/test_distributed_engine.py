@@ -208,3 +208,11 @@ def test_a_preemption_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_p
                               "preempt_at": [1, 3], "timeout_s": 60}, 2, tmp_path, timeout_s=180)
     assert [r.returncode for r in results] == [143, 143], [r.output[-2000:] for r in results]
     assert [(tmp_path / f"r.rank{r}.saved").read_text() for r in range(2)] == ["3", "3"]
+
+
+def test_distributed_data_parallel_around_a_wrapped_model_is_refused_clearly(tmp_path):
+    results = launch(WORKER, {"steps": 1, "out": str(tmp_path / "r"), "config": config(tmp_path), "ddp": True},
+                     2, tmp_path, timeout_s=120)
+    for r in results:
+        line = next(l for l in r.output.splitlines() if l.startswith("RANK-ERROR"))
+        assert "UnsupportedError" in line and "DistributedDataParallel" in line, line
