@@ -13,7 +13,8 @@
 Tokens are bytes (vocabulary 256) unless a Hugging Face tokenizer is given. A bad file — absent,
 unreadable, empty, a line that is not a usable record — is a ``ConfigError`` naming the file and
 the line. ``Batches`` walks the data in a fixed order and its ``state()`` (the next batch's index and
-what file it was) goes into each checkpoint, so a resumed run continues with the next batch.
+what file it was) goes into each checkpoint, so a resumed run continues with the next batch. Under
+data parallelism each rank takes its own slice of every global batch (``shard_rows``).
 """
 
 from __future__ import annotations
@@ -46,18 +47,33 @@ class Dataset:
     def size(self) -> int:
         return self.stream.numel() if self.stream is not None else len(self.examples)
 
-    def batch(self, index: int, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``index``-th batch of ``rows`` x ``seq_len``: ``(input_ids, labels)``, wrapping around."""
+    def batch(self, index: int, rows: int, seq_len: int,
+              part: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``index``-th batch of ``rows`` x ``seq_len``: ``(input_ids, labels)``, wrapping around;
+        ``part``: only these of its rows (one rank's slice, ``shard_rows``)."""
+        which = range(rows) if part is None else part
         if self.stream is not None:
             n = max(self.stream.numel() - seq_len, 1)
             ids = torch.stack([self.stream[s:s + seq_len] for s in
-                               (((index * rows + r) * seq_len) % n for r in range(rows))])
+                               (((index * rows + r) * seq_len) % n for r in which)])
             if ids.shape[1] < seq_len:       # a stream shorter than one sequence: pad it
                 ids, labels = _pad([(row, row) for row in ids], seq_len, self.pad_id)
                 return ids, labels
             return ids, ids.clone()
-        picked = [self.examples[(index * rows + r) % len(self.examples)] for r in range(rows)]
+        picked = [self.examples[(index * rows + r) % len(self.examples)] for r in which]
         return _pad(picked, seq_len, self.pad_id)
+
+
+def shard_rows(rows: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s rows of a global batch of ``rows`` split evenly over ``world`` ranks: the
+    contiguous slice ``rank*rows/world .. (rank+1)*rows/world``. Together the ranks see exactly the
+    batch one process would, so a run's results do not depend on how many ranks share it."""
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError("rank", rank, f"must be in [0, {world})")
+    if rows % world:
+        raise ConfigError("--batch-tokens", rows, f"sequences per step must split evenly over {world} ranks")
+    per = rows // world
+    return range(rank * per, (rank + 1) * per)
 
 
 def _pad(pairs, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,14 +255,19 @@ def fingerprint(path: str | os.PathLike) -> dict:
 
 
 class Batches:
-    """The batches of a run in a fixed order; ``state()`` / ``restore()`` carry the position."""
+    """The batches of a run in a fixed order; ``state()`` / ``restore()`` carry the position.
 
-    def __init__(self, data: Dataset, rows: int, seq_len: int):
+    ``rows`` is the global batch; with ``world`` > 1 ``next()`` gives rank ``rank``'s slice of it
+    (``shard_rows``). The position counts global batches, so a checkpoint's data state resumes
+    at any number of ranks."""
+
+    def __init__(self, data: Dataset, rows: int, seq_len: int, *, rank: int = 0, world: int = 1):
         self.data, self.rows, self.seq_len = data, rows, seq_len
+        self.part = None if world == 1 else shard_rows(rows, rank, world)
         self.position = 0               # index of the next batch
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.data.batch(self.position, self.rows, self.seq_len)
+        out = self.data.batch(self.position, self.rows, self.seq_len, self.part)
         self.position += 1
         return out
 

@@ -43,6 +43,14 @@ decimal (1 GB/s = 1e9 bytes/s).
   I/O holding its lock, which stalls the compute thread's next fetch (measured: NVMe traffic adds
   its time to a CPU-only step rather than hiding under it). Compute is the training FLOPs at the
   measured rate, x 4/3 with activation checkpointing (each layer's forward runs again in backward).
+* Data parallelism (``Policy.world`` ranks, ``local_world`` of them on this box; ZeRO-3 as
+  ``offload.distributed`` does it). The plan is one rank's: the chunk layout is the whole model's
+  (it does not depend on the world size), the rank owns every world-th chunk — their parameters,
+  gradients after the reduce-scatter, master, moments, NVMe slots and Adam work — and computes on
+  batch_tokens / world tokens per step; the device still sees every parameter (all-gathered
+  before use). The ranks on one box share its RAM, NVMe drives (space and bandwidth) and CPU
+  cores evenly (``rank_share``); each has a GPU of its own. Parameters cross PCIe only for the
+  owned chunks; the collectives' bytes are reported (``breakdown["collective_bytes"]``), not timed.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from .errors import ConfigError
 from .planner_activations import activation_problems, area_budget, place_activations
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
 from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
-                           min_device_bytes)
+                           min_device_bytes_sharded)
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -147,9 +155,24 @@ class Policy:
     """LoRA rank (peft's ``get_peft_model``): the base model is frozen and only the adapters train."""
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     """Projections that get LoRA adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
+    world: int = 1
+    """Ranks training the model together (ZeRO-3 data parallelism): each owns 1/world of the chunks
+    and computes on batch_tokens / world tokens of every step; the plan is one rank's."""
+    local_world: int = 1
+    """Of those, the ranks on this box: they share its RAM, NVMe drives and CPU cores evenly; each
+    has a GPU of its own (``Hardware.gpu_mem`` is one GPU's)."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_tokens")
+        for name in ("world", "local_world"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "expected a whole number >= 1")
+        if self.local_world > self.world:
+            raise ConfigError("local_world", self.local_world, f"is more than world={self.world}")
+        if self.batch_tokens % self.world:
+            raise ConfigError("batch_tokens", self.batch_tokens,
+                              f"is global: it must split evenly over world={self.world} ranks")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
                 or not 1 <= self.micro_batches <= self.batch_tokens:
             raise ConfigError("micro_batches", self.micro_batches,
@@ -288,6 +311,20 @@ def param_numels(cfg: LlamaConfig) -> list[int]:
     return [v * h] + layer * cfg.num_layers + [h] + ([] if cfg.tie_embeddings else [v * h])
 
 
+def rank_share(hw: Hardware, local_world: int) -> Hardware:
+    """One rank's share of a box that ``local_world`` ranks train on: its RAM, NVMe space and
+    bandwidth, CPU Adam rate (and, without a GPU, its compute) divided evenly; GPU memory, compute
+    and PCIe stay (a GPU per rank)."""
+    if local_world == 1:
+        return hw
+    cpu_only = hw.gpu_mem is None
+    return dataclasses.replace(
+        hw, cpu_mem=hw.cpu_mem // local_world, nvme_capacity=hw.nvme_capacity // local_world,
+        nvme_read_gbps=hw.nvme_read_gbps / local_world, nvme_write_gbps=hw.nvme_write_gbps / local_world,
+        adam_params_per_s=hw.adam_params_per_s / local_world,
+        compute_tflops=hw.compute_tflops / local_world if cpu_only else hw.compute_tflops)
+
+
 def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None) -> tuple[int, int]:
     """``(device_budget, cpu_budget)`` as ``offload.tiers.budgets.resolve_budgets`` turns "auto" into
     bytes, with ``gpu_mem`` and ``cpu_mem`` standing for the free GPU memory and available RAM."""
@@ -343,7 +380,9 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     moment chunks, no Adam, no NVMe slots beyond their parameters'."""
     label, cfg = resolve_model(model)
     label = name or label
-    hw, po = hardware, policy
+    po = policy
+    world = po.world
+    hw = rank_share(hardware, po.local_world)       # this rank's share of the box
     if params:
         numels, trainable = [k for k, _ in params], [t for _, t in params]
     else:
@@ -353,11 +392,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     e = DTYPE_BYTES[po.dtype]
     master_b = 4 if e < 4 else 0
     k = po.micro_batches
-    micro = -(-po.batch_tokens // k)                 # tokens per forward/backward pass
+    rank_tokens = po.batch_tokens // world           # this rank's part of every step
+    micro = -(-rank_tokens // k)                     # tokens per forward/backward pass
     seq = po.seq_len or min(cfg.max_seq_len, micro)
     if seq > micro:
-        raise ConfigError("seq_len", seq, f"is longer than batch_tokens={po.batch_tokens}" if k == 1 else
-                          f"is longer than a micro-batch ({po.batch_tokens} tokens / {k})")
+        raise ConfigError("seq_len", seq, f"is longer than batch_tokens={po.batch_tokens}" if k == 1 and world == 1
+                          else f"is longer than a micro-batch ({po.batch_tokens} tokens / {world} ranks / {k})")
     gpu = hw.gpu_mem is not None
     device_budget, cpu_budget = auto_budgets(hw, po.device_budget, po.cpu_budget)
 
@@ -365,29 +405,36 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, po.chunk_size,
                                                 layout=(numels, trainable))
     num_chunks, largest = len(sizes), max(sizes)
-    elems = sum(sizes)
+    all_elems = sum(sizes)
+    all_trained = sum(size for size, t in zip(sizes, chunk_trainable) if t)
+    # Under data parallelism chunk c belongs to rank c % world; plan for the rank owning the most.
+    owner = max(range(world), key=lambda r: sum(sizes[r::world]))
+    own_sizes, own_trainable = sizes[owner::world], chunk_trainable[owner::world]
+    elems = sum(own_sizes)
     # Frozen chunks (LoRA's base model) hold parameters only: no gradient, master or moments.
-    trained = sum(size for size, t in zip(sizes, chunk_trainable) if t)
-    largest_trained = max((size for size, t in zip(sizes, chunk_trainable) if t), default=0)
+    trained = sum(size for size, t in zip(own_sizes, own_trainable) if t)
+    largest_trained = max((size for size, t in zip(own_sizes, own_trainable) if t), default=0)
     per_elem = {"params": e, "grads": 4, "master": master_b, "exp_avg": 4, "exp_avg_sq": 4}
     total = {k: (elems if k == "params" else trained) * b for k, b in per_elem.items()}
     set_bytes = largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
     state_bytes = sum(total.values())
+    all_params = all_elems * e                      # what the device sees: every chunk, gathered
+    share = elems / all_elems                       # of the parameter stream, what this rank uploads
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
     layer_params = layer_param_count(cfg) if not params else max(1, (n - max(numels)) // max(cfg.num_layers, 1))
     # A layer's chunks: whole bulk chunks, or (its matrices in chunks of their own) its parameters,
     # plus one chunk it may straddle into.
     layer_elems = min(-(-layer_params // chunk) * chunk, layer_params + chunk) + chunk
-    grads_window = min(total["grads"], layer_elems * 4)
-    dev_params = min(total["params"], max(0, device_budget - grads_window))
-    resident = dev_params == total["params"]
+    grads_window = min(all_trained * 4, layer_elems * 4)
+    dev_params = min(all_params, max(0, device_budget - grads_window))
+    resident = dev_params == all_params
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
     acts = {part: v * micro for part, v in act_per_tok.items()}
     placed = place_activations(cfg, e, po.activation_offload, micro, act_per_tok,
                                area_budget(hw, device_budget, cpu_budget))
     act_total = placed.device_bytes                 # on the GPU during one micro-batch
-    device_min = min_device_bytes(chunk, e, largest)
+    device_min = min_device_bytes_sharded(chunk, e, largest, world)   # gathered groups under several ranks
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": act_total}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
@@ -411,17 +458,21 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     # ---- traffic per step
     # Rewritten on the CPU by the update, so even resident ones are fetched again; frozen ones the
     # device kept are not.
-    h2d_fwd = total["params"] - min(dev_params, (elems - trained) * e)
-    h2d_bwd = total["params"] - dev_params                     # what the device could not keep
-    d2h = total["grads"]
+    h2d_fwd = all_params - min(dev_params, (all_elems - all_trained) * e)
+    h2d_bwd = all_params - dev_params                          # what the device could not keep
+    d2h = total["grads"]                 # under data parallelism: the owned chunks' reduced gradients
     pn = spill["params"]
-    refetch = pn * h2d_bwd / total["params"] if total["params"] else 0
+    refetch = pn * h2d_bwd / all_params if all_params else 0
     opt_nvme = spill["master"] + spill["exp_avg"] + spill["exp_avg_sq"] + spill["grads"]
     opt_read = opt_nvme + (0 if master_b else pn)               # fp32: Adam reads the parameter as master
     # Each micro-batch after the first streams again what the device does not keep (forward and
     # backward), moves the gradients out and (to add into them) back in, re-reads spilled parameters
     # and gradients; parked activations go out and back once per micro-batch.
-    h2d_params = h2d_fwd + h2d_bwd + (k - 1) * 2 * h2d_bwd
+    streamed = h2d_fwd + h2d_bwd + (k - 1) * 2 * h2d_bwd     # parameter bytes the device takes in
+    # Each rank uploads its own chunks; the all-gather brings the others' (received, per rank).
+    h2d_params = streamed * share if world > 1 else streamed
+    collective = {"all_gather": int(streamed * (world - 1) / world),
+                  "reduce_scatter": int(all_trained * 4 * k * (world - 1) / world)}
     grad_spill = (k - 1) * spill["grads"]
     act_host, act_spill = placed.host_bytes * k, placed.spill_bytes * k
     traffic = {
@@ -449,11 +500,13 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         nvme_s = traffic["nvme_read"] / (hw.nvme_read_gbps * GB) + \
             traffic["nvme_write"] / (hw.nvme_write_gbps * GB)
         opt_nvme_s = opt_read / (hw.nvme_read_gbps * GB) + opt_nvme / (hw.nvme_write_gbps * GB)
+    # a rank updates the chunks it owns
+    adam_params = n_trained * trained / all_trained if world > 1 and all_trained else n_trained
     terms = {
-        "compute": po.batch_tokens * compute_per_tok,
+        "compute": rank_tokens * compute_per_tok,
         "pcie": max(traffic["pcie_h2d"], traffic["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
-        "adam": n_trained / hw.adam_params_per_s,
+        "adam": adam_params / hw.adam_params_per_s,
     }
     # One micro-batch's share of what runs beside compute (the optimizer's own NVMe traffic aside).
     per_micro = max(terms["compute"], terms["pcie"], nvme_s - opt_nvme_s) / k
@@ -480,7 +533,8 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         bottleneck = max(("compute", "adam", "nvme"), key=terms.get)
         # compute leads once it is the largest of the three
         gpu_bound = None if bottleneck == "compute" else max(terms["adam"], terms["nvme"]) / compute_per_tok
-    gpu_bound_tokens = None if gpu_bound is None else max(seq, math.ceil(gpu_bound / seq) * seq)
+    # (tokens of the whole step: each rank computes 1/world of them)
+    gpu_bound_tokens = None if gpu_bound is None else world * max(seq, math.ceil(gpu_bound / seq) * seq)
 
     # ---- does it fit?
     act_tok = placed.device_per_token
@@ -488,13 +542,15 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         act_room = hw.gpu_mem - device_budget - GPU_WORKSPACE
     else:
         act_room = hw.cpu_mem - device_budget - cpu_budget
-    max_batch = k * (act_room // act_tok // seq * seq) if act_room > 0 else 0
+    max_batch = world * k * (act_room // act_tok // seq * seq) if act_room > 0 else 0
     problems = []
     if device_budget < device_min:
         problems.append(
             f"device budget {format_size(device_budget)} is below the largest chunk ({largest:,} elements) "
             f"and 2 chunks of {chunk:,}, parameters and fp32 gradients ({format_size(device_min)}): the "
-            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once")
+            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once"
+            + ("" if world == 1 else f", and under {world} ranks each chunk in use brings its group of {world}: "
+               "4 gathered parameter groups and 2 gradient groups being reduced"))
     if cpu_budget < cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
@@ -510,7 +566,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         problems.append(
             f"RAM needs {format_size(device_budget + cpu_budget + act_total)} (device budget "
             f"{format_size(device_budget)} + CPU budget {format_size(cpu_budget)} + "
-            f"{format_size(act_total)} activations for {po.batch_tokens} tokens), "
+            f"{format_size(act_total)} activations for {rank_tokens} tokens), "
             f"{format_size(hw.cpu_mem)} available; at most {max_batch} tokens/step fit")
     if not nvme_tier:
         held = state_bytes - (0 if po.defer_step else total["grads"])
@@ -522,21 +578,23 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         problems.append(f"NVMe needs {format_size(nvme_needed)}, {format_size(hw.nvme_capacity)} free at "
                         f"{hw.nvme_where}")
     fits = not problems
+    ranks_note = "" if world == 1 else (
+        f" (one rank of {world}, {po.local_world} on this box sharing its RAM, NVMe and CPU)")
     if problems:
-        reason = "; ".join(problems)
+        reason = "; ".join(problems) + ranks_note
     elif gpu:
         reason = (f"fits: device budget {format_size(device_budget)} + {format_size(act_total)} activations "
                   f"on the GPU of {format_size(hw.gpu_mem)}, CPU budget {format_size(cpu_budget)}, "
                   f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}"
-                  + placed.describe(k))
+                  + placed.describe(k) + ranks_note)
     else:
         reason = (f"fits: budgets {format_size(device_budget)} (device) + {format_size(cpu_budget)} (CPU) "
                   f"+ {format_size(act_total)} activations in RAM of {format_size(hw.cpu_mem)}, "
-                  f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}")
+                  f"{format_size(nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}" + ranks_note)
 
     breakdown = {
         "seq_len": seq, "dtype_bytes": e, "device_budget": device_budget, "cpu_budget": cpu_budget,
-        "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": elems - n,
+        "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": all_elems - n,
         "trainable_params": n_trained, "trainable_chunks": sum(chunk_trainable),
         "largest_chunk": largest, "oversized_chunks": sum(size > chunk for size in sizes),
         "device_min_bytes": device_min, "cpu_min_bytes": cpu_min,
@@ -552,9 +610,12 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "optimizer_overlaps_backward": not po.defer_step,
         "micro_batches": k, "micro_batch_tokens": micro,
         "activation_offload": po.activation_offload, "activation_placement": dataclasses.asdict(placed),
+        "world": world, "local_world": po.local_world, "rank_tokens": rank_tokens,
+        "owned_chunks": len(own_sizes), "collective_bytes": collective, "adam_params": adam_params,
+        "rank_hardware": dataclasses.asdict(hw),
     }
     return Plan(model=label, params=n, tiers=tiers, nvme_bytes_needed=nvme_needed,
                 bytes_per_step=traffic, step_terms_s=terms, predicted_step_s=predicted,
                 bottleneck=bottleneck, fits=fits, reason=reason,
                 gpu_bound_batch_tokens=gpu_bound_tokens, max_batch_tokens=int(max_batch),
-                breakdown=breakdown, hardware=dataclasses.asdict(hw), policy=dataclasses.asdict(po))
+                breakdown=breakdown, hardware=dataclasses.asdict(hardware), policy=dataclasses.asdict(po))

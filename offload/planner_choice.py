@@ -59,7 +59,8 @@ def choose(model, hardware: Hardware, policy: Policy = Policy(), *, modes: Seque
             modes += ["cpu"] + (["nvme"] if hardware.nvme_capacity > 0 else [])
     if micro_batches is None:
         seq = policy.seq_len or min(cfg.max_seq_len, policy.batch_tokens)
-        micro_batches = range(1, max(1, min(policy.batch_tokens // seq, MAX_MICRO_BATCHES)) + 1)
+        rows = policy.batch_tokens // policy.world // seq          # one rank's sequences of a step
+        micro_batches = range(1, max(1, min(rows, MAX_MICRO_BATCHES)) + 1)
     given = plan(model, hardware, policy, name=name, params=params)
     plans = []
     for k in micro_batches:

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="where checkpointed layers' inputs wait for backward (default auto: the planner picks the "
            "fastest way that fits, also weighing gradient accumulation)")
     a("--micro-batches", type=int, help="gradient accumulation: passes per step (default: the planner picks)")
+    a("--world", type=int, default=1, help="data parallelism: ranks training together (torchrun's "
+                                          "WORLD_SIZE); the plan is one rank's, --batch-tokens the whole step's")
+    a("--local-world", type=int, help="ranks on this box, sharing its RAM, NVMe and CPU cores (default: "
+                                      "--world, all on one box); each has a GPU of its own")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
 
 
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_budget=_size(args.cpu_budget, "--cpu-budget"),
         defer_step=args.defer_step,
         **_fixed_way(args),
+        **_ranks(args),
     )
     described = describe_models(args)
     modes = None if args.activation_offload == "auto" else [args.activation_offload]
@@ -141,6 +146,15 @@ def model_shape(args: argparse.Namespace):
     """The preset name, or a directory's LLaMA-shaped summary (for the compute probe)."""
     described = describe_models(args)
     return described[0].shape if described else args.model
+
+
+def _ranks(args: argparse.Namespace) -> dict:
+    """``world`` and ``local_world`` of the policy (one box of ``--world`` ranks unless told)."""
+    world = _positive_int(getattr(args, "world", 1), "--world") or 1
+    local = _positive_int(getattr(args, "local_world", None), "--local-world") or world
+    if local > world:
+        raise ConfigError("--local-world", local, f"is more than --world={world}")
+    return {"world": world, "local_world": local}
 
 
 def _fixed_way(args: argparse.Namespace) -> dict:
@@ -433,6 +447,21 @@ def _way_text(po: dict, b: dict) -> str:
     return out
 
 
+def _ranks_text(p: Plan) -> list[str]:
+    b = p.breakdown
+    world = b.get("world", 1)
+    if world == 1:
+        return []
+    local = b["local_world"]
+    coll = b["collective_bytes"]
+    return [f"data parallel: {world} ranks, {local} on this box; the plan below is one rank's: it owns "
+            f"{b['owned_chunks']} of the {b['num_chunks']} chunks and computes {b['rank_tokens']} tokens of each "
+            f"step; " + (f"the box's RAM, NVMe and CPU Adam below are split {local} ways" if local > 1 else
+                         "the box below is this rank's alone") + "; collectives per step "
+            f"(not timed): all-gather {format_size(coll['all_gather'])}, reduce-scatter "
+            f"{format_size(coll['reduce_scatter'])} per rank"]
+
+
 def format_plan(p: Plan, sources: dict | None = None) -> str:
     """The plan as a readable table (what ``offload plan`` prints)."""
     sources = sources or {}
@@ -446,6 +475,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
                 "carry gradient, master and moments)" if b.get("trainable_params", p.params) != p.params else "")
              + _way_text(po, b),
              "(sizes in decimal units: 1 GB = 1e9 bytes; on the command line 8T = 8 TiB = 8.80 TB)",
+             *_ranks_text(p),
              "", "hardware"]
     rows = [("GPU memory", format_size(hw["gpu_mem"]) if gpu else "none (CPU-only)", "gpu_mem"),
             ("compute", f"{hw['compute_tflops']:.4g} TFLOPS", "compute_tflops"),
@@ -488,12 +518,15 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
                      f"{size(cp['d2h'])}, not timed)")
 
     why = {
-        "compute": f"{b['train_flops_per_token']:.3g} FLOP/token x {po['batch_tokens']} tokens "
+        "compute": f"{b['train_flops_per_token']:.3g} FLOP/token x {b.get('rank_tokens', po['batch_tokens'])} tokens "
                    f"at {hw['compute_tflops']:.4g} TFLOPS"
                    f"{' (incl. the checkpoint recompute, x4/3)' if po['activation_checkpointing'] else ''}",
         "pcie": "max(H2D, D2H): the link is full duplex" if gpu else "no GPU",
         "nvme": "read/GBps + write/GBps: the drives share reads and writes",
-        "adam": f"{p.params / 1e9:.2f} G params at {hw['adam_params_per_s'] / 1e9:.3g} G params/s",
+        "adam": (f"{p.params / 1e9:.2f} G params at {hw['adam_params_per_s'] / 1e9:.3g} G params/s"
+                 if b.get("world", 1) == 1 else
+                 f"{b['adam_params'] / 1e9:.2f} G params (this rank's) at "
+                 f"{b['rank_hardware']['adam_params_per_s'] / 1e9:.3g} G params/s (its share)"),
     }
     if not gpu:
         how = "compute + Adam + NVMe: without a GPU the same cores run all three and I/O waits stall compute"

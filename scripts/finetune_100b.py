@@ -28,6 +28,16 @@ Preemption: SIGTERM or SIGINT (Ctrl-C) finishes the step in flight, writes a che
 once with the same status, leaving the previous checkpoint intact. `--resume` then continues
 from it; a checkpoint that does not verify is skipped (with a line saying which and why) for
 the newest one that does. Exit status 1: a one-line error (bad input, I/O failure).
+
+Several GPUs or hosts (ZeRO-3 data parallelism; see README "More than one GPU"):
+
+    torchrun --nproc-per-node 8 scripts/finetune_100b.py --preset 70b --nvme-path '/mnt/nvme{local_rank}' ...
+
+Each rank owns 1/N of the chunks (parameters, master, Adam moments, NVMe slots). --batch-tokens
+is global (tokens per optimizer step over all ranks: each rank takes its 1/N slice of every batch,
+so N ranks see the batches one process would); --micro-batches, --device-budget and --cpu-budget
+are per rank; the planner plans one rank's share of its host (RAM, drives and CPU cores divided
+by the ranks on the host). Rank 0 alone prints; every rank saves and exports (they are collective).
 """
 
 from __future__ import annotations
@@ -35,16 +45,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DATA = ROOT / "data" / "corpus.txt"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, quiet: bool = False) -> argparse.Namespace:
+    """``quiet``: exit 2 without a word on a bad command line (ranks other than 0: rank 0 says it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    if quiet:
+        p.error = lambda message: sys.exit(2)
     p.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory to fine-tune")
     p.add_argument("--preset", help="train from scratch: tiny, small, 1b, 7b, 13b, 70b, 100b (default tiny)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
@@ -63,10 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory for the NVMe tier (repeat to stripe over drives)")
     p.add_argument("--device-budget", default="auto", help="bytes of chunks on the compute device, e.g. 60G")
     p.add_argument("--cpu-budget", default="auto", help="bytes of chunks in CPU memory, e.g. 400G")
-    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimizer step (default 2048)")
+    p.add_argument("--batch-tokens", type=int, default=2048,
+                   help="tokens per optimizer step, over all ranks under torchrun (default 2048)")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="gradient accumulation: forward/backward passes per step, dividing its sequences "
-                        "(default: the planner's choice, 1 with --no-plan)")
+                        "(each rank's share under torchrun; default: the planner's choice, 1 with --no-plan)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -89,8 +105,158 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# ---- ranks (torchrun) ---------------------------------------------------------------------
+class QuietExit(SystemExit):
+    """This rank stops with status 1 and says nothing: rank 0 reports what went wrong."""
+
+    def __init__(self):
+        super().__init__(1)
+
+
+class Ranks:
+    """This process's place among the ranks torchrun started (world 1: a single process).
+
+    (A plain class: tests load this script with importlib, where a dataclass cannot find its module.)"""
+
+    __slots__ = ("rank", "world", "local_rank", "local_world")
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, local_world: int = 1):
+        self.rank, self.world, self.local_rank, self.local_world = rank, world, local_rank, local_world
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        """From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (absent: one process)."""
+        from offload import ConfigError
+
+        env = os.environ
+        values = {}
+        for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", None)):
+            raw = env.get(name, default)
+            if raw is None:
+                continue
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ConfigError(name, raw, "(an environment variable torchrun sets) must be an integer") from None
+        world = values["WORLD_SIZE"]
+        if world < 1 or not 0 <= values["RANK"] < world:
+            raise ConfigError("RANK", values["RANK"], f"must be in [0, WORLD_SIZE={world})")
+        local_world = values.get("LOCAL_WORLD_SIZE", world)
+        return cls(values["RANK"], world, values["LOCAL_RANK"], max(1, min(local_world, world)))
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def many(self) -> bool:
+        return self.world > 1
+
+    def say(self, message: str = "", end: str = "\n") -> None:
+        """One log for the whole run: rank 0 prints, the others stay quiet."""
+        if self.lead:
+            print(message, end=end, file=sys.stderr, flush=True)
+
+    def start(self) -> None:
+        """Join the process group: NCCL with a GPU per rank (``cuda:LOCAL_RANK``), else gloo."""
+        import torch
+        import torch.distributed as dist
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            backend = "nccl"
+        else:
+            backend = "gloo"
+        dist.init_process_group(backend)
+        from offload.distributed import failure
+
+        failure.install(self.rank)          # a peer blocked on this rank can then name it
+
+    def _collective(self, what: str, call):
+        """Run a collective; a peer's failure becomes a one-line DistributedError naming it."""
+        from offload.distributed import failure
+        from offload.errors import DistributedError
+
+        try:
+            return call()
+        except Exception as exc:
+            failed, why = failure.failed_peer()
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(self.rank, what, f"{why} (here: {detail})" if why else detail, failed) from exc
+
+    def failed(self, exc: BaseException) -> None:
+        """Leave this rank's failure where its peers, blocked in a collective, can name it."""
+        if self.many and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            from offload.distributed import failure
+
+            failure.mark_failed(self.rank, exc)
+
+    def stop(self, clean: bool = True) -> None:
+        """Leave the process group. After a failure NCCL may still hold collectives that wait for
+        this rank: then the process just ends (torchrun stops the others)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and (clean or dist.get_backend() != "nccl"):
+            dist.destroy_process_group()
+
+    @contextmanager
+    def together(self):
+        """A stretch every rank runs up to the same point: when it fails on any rank, every rank
+        stops there — rank 0 with the first failure's one-line error, the others quietly (a rank's
+        own programming error keeps its traceback). No rank is left waiting in a collective."""
+        if not self.many:
+            yield
+            return
+        try:
+            yield
+        except BaseException as exc:
+            self._agree(exc)
+            raise
+        self._agree(None)
+
+    def _agree(self, error: BaseException | None) -> None:
+        import torch.distributed as dist
+
+        from offload import OffloadError
+
+        mine = None if error is None else (isinstance(error, OffloadError), f"{error}" if isinstance(
+            error, OffloadError) else f"{type(error).__name__}: {error}")
+        everyone = [None] * self.world
+        self._collective("all_gather_object (setup)", lambda: dist.all_gather_object(everyone, mine))
+        failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+        if not failed:
+            return
+        if error is not None and (self.lead or not isinstance(error, OffloadError)):
+            return                                    # the caller raises its own error
+        if not self.lead:
+            raise QuietExit()
+        rank, (_, message) = failed[0]
+        raise OffloadError(f"rank {rank}: {message}")
+
+    def broadcast(self, value):
+        """Rank 0's ``value`` on every rank (a picklable object)."""
+        if not self.many:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        self._collective("broadcast_object_list (the plan)", lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def mean(self, value: float, device) -> float:
+        """The mean of ``value`` over the ranks (every rank calls it)."""
+        if not self.many:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        self._collective("all_reduce (the logged loss)", lambda: dist.all_reduce(t))
+        return t.item() / self.world
+
+
 # ---- model and data -----------------------------------------------------------------------
-def check_args(args) -> None:
+def check_args(args, ranks: Ranks = Ranks()) -> None:
     from offload import ConfigError
 
     if args.model and args.preset:
@@ -107,9 +273,15 @@ def check_args(args) -> None:
     if args.seq_len < 2 or args.batch_tokens < args.seq_len:
         raise ConfigError("--batch-tokens", args.batch_tokens, f"must be >= --seq-len ({args.seq_len})")
     rows = args.batch_tokens // args.seq_len
-    if args.micro_batches is not None and (args.micro_batches < 1 or rows % args.micro_batches):
+    if rows % ranks.world:
+        raise ConfigError("--batch-tokens", args.batch_tokens,
+                          f"is global: its {rows} sequences (--batch-tokens / --seq-len) must split evenly over "
+                          f"{ranks.world} ranks")
+    mine = rows // ranks.world
+    if args.micro_batches is not None and (args.micro_batches < 1 or mine % args.micro_batches):
         raise ConfigError("--micro-batches", args.micro_batches,
-                          f"must divide the step's {rows} sequences (--batch-tokens / --seq-len)")
+                          f"must divide the step's {rows} sequences (--batch-tokens / --seq-len)" if ranks.world == 1
+                          else f"must divide each rank's {mine} sequences of the step ({rows} over {ranks.world} ranks)")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume", True, "needs --checkpoint-dir")
     if args.keep_checkpoints < 1:
@@ -209,8 +381,18 @@ def load_dataset(args, vocab_size: int):
 
 
 # ---- planning -----------------------------------------------------------------------------
-def make_plan(args, cfg, config, described=None):
-    """Run the planner on this box (it measures NVMe, Adam and compute); returns (plan, sources)."""
+def rank_paths(args, ranks: Ranks) -> list[str]:
+    """This rank's --nvme-path directories: {rank}/{local_rank} filled in (and, under several ranks,
+    a rank<N> subdirectory for a path with neither), as the engine expands them."""
+    from offload.distributed import Sharding, expand_rank
+
+    sharding = Sharding(ranks.rank, ranks.world, ranks.local_rank) if ranks.many else None
+    return list(expand_rank(args.nvme_path, sharding) or ())
+
+
+def make_plan(args, cfg, config, described=None, ranks: Ranks = Ranks()):
+    """Run the planner on this box (it measures NVMe, Adam and compute) for one rank's share of it;
+    returns (plan, sources, notes)."""
     from offload import planner_cli
     from offload.planner import Policy
     from offload.planner_choice import choose
@@ -219,18 +401,29 @@ def make_plan(args, cfg, config, described=None):
     planner_cli.add_arguments(parser)
     argv = ["--model", args.model or args.preset, "--dtype", args.dtype, "--batch-tokens", str(args.batch_tokens),
             "--seq-len", str(args.seq_len)]
-    for path in args.nvme_path:
+    for path in rank_paths(args, ranks):
         argv += ["--nvme-path", path]
     pargs = parser.parse_args(argv)
     hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    if ranks.many and hardware.gpu_mem is None and sources.get("compute_tflops", "").startswith("measured"):
+        # The planner takes the box's figures and gives each rank 1/local_world. A CPU-only rank
+        # computes with its own threads (torchrun: OMP_NUM_THREADS=1), as measured here: the box
+        # runs local_world of them at once.
+        import dataclasses
+
+        import torch
+
+        hardware = dataclasses.replace(hardware, compute_tflops=hardware.compute_tflops * ranks.local_world)
+        sources["compute_tflops"] += f", {torch.get_num_threads()} thread(s) a rank x {ranks.local_world} ranks"
     policy = Policy(batch_tokens=args.batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                     activation_checkpointing=not args.no_checkpointing,
                     device_budget=None if config.device_budget == "auto" else int(config.device_budget),
                     cpu_budget=None if config.cpu_budget == "auto" else int(config.cpu_budget),
-                    defer_step=args.max_grad_norm is not None)
+                    defer_step=args.max_grad_norm is not None,
+                    world=ranks.world, local_world=ranks.local_world)
     # The planner chooses where activations wait, the device budget, and how many passes a step
-    # takes (among those that split its sequences evenly).
-    rows = args.batch_tokens // min(args.seq_len, cfg.max_seq_len)
+    # takes (among those that split each rank's sequences evenly).
+    rows = args.batch_tokens // min(args.seq_len, cfg.max_seq_len) // ranks.world
     micro = [args.micro_batches] if args.micro_batches else [k for k in range(1, rows + 1) if rows % k == 0]
     if described is not None:
         choice = choose(described.shape, hardware, policy, micro_batches=micro, name=described.name,
@@ -238,6 +431,27 @@ def make_plan(args, cfg, config, described=None):
     else:
         choice = choose(cfg, hardware, policy, micro_batches=micro, name=f"llama-{args.preset}")
     return choice.best or choice.given, sources, notes
+
+
+def shared_budgets(config, ranks: Ranks):
+    """``config`` with "auto" budgets turned into bytes once, by rank 0, for one rank's share of the
+    host (the ranks on it split its RAM; each has a GPU of its own): every rank then lays out the
+    same chunks, and N ranks do not each take the engine's share of the whole host."""
+    if not ranks.many or (config.device_budget != "auto" and config.cpu_budget != "auto"):
+        return config
+    budgets = None
+    if ranks.lead:
+        from offload.tiers.budgets import compute_device, resolve_budgets
+
+        device = compute_device(config)
+        device_budget, cpu_budget = resolve_budgets(config, device)
+        if config.device_budget == "auto" and device.type == "cpu":
+            device_budget //= ranks.local_world
+        if config.cpu_budget == "auto":
+            cpu_budget //= ranks.local_world
+        budgets = (device_budget, cpu_budget)
+    device_budget, cpu_budget = ranks.broadcast(budgets)
+    return config.replace(device_budget=device_budget, cpu_budget=cpu_budget)
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -287,7 +501,27 @@ def progress(step, total, loss, tok_s, tflops, eta, tty):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    ranks = Ranks.from_env()
+    args = parse_args(argv, quiet=not ranks.lead)
+    if ranks.many:
+        ranks.start()
+    if not ranks.lead:
+        import warnings
+
+        warnings.simplefilter("ignore")     # rank 0 shows the same ones: one log for the run
+    clean = False
+    try:
+        code = train(args, ranks)
+        clean = True
+        return code
+    except BaseException as exc:
+        ranks.failed(exc)
+        raise
+    finally:
+        ranks.stop(clean)
+
+
+def train(args, ranks: Ranks) -> int:
     import torch
 
     import offload
@@ -295,61 +529,82 @@ def main(argv=None) -> int:
     from offload.models.llama import flops_per_token, get_preset, param_count
     from offload.planner import format_size
 
-    check_args(args)
-    described = None
-    if args.model:
-        from offload.hf import read_checkpoint
-        from offload.hf.describe import describe
+    say = ranks.say
+    with ranks.together():
+        check_args(args, ranks)
+        described = None
+        if args.model:
+            from offload.hf import read_checkpoint
+            from offload.hf.describe import describe
 
-        args.model_info = read_checkpoint(args.model)        # every shard's header checked up front
-        described = describe(args.model, lora_settings(args))
-        cfg, name, n_params = described.shape, described.name, described.total
-    else:
-        cfg = get_preset(args.preset)
-        name, n_params = f"llama-{args.preset}", param_count(cfg)
-    seq = min(args.seq_len, cfg.max_seq_len)
-    batch = args.batch_tokens // seq
-    config = offload.OffloadConfig(
-        dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
-        nvme_paths=args.nvme_path or None)
+            args.model_info = read_checkpoint(args.model)        # every shard's header checked up front
+            described = describe(args.model, lora_settings(args))
+            cfg, name, n_params = described.shape, described.name, described.total
+        else:
+            cfg = get_preset(args.preset)
+            name, n_params = f"llama-{args.preset}", param_count(cfg)
+        seq = min(args.seq_len, cfg.max_seq_len)
+        batch = args.batch_tokens // seq                  # sequences per step, all ranks together
+        if batch % ranks.world:
+            raise offload.ConfigError("--batch-tokens", args.batch_tokens,
+                                      f"is global: its {batch} sequences of {seq} tokens must split evenly "
+                                      f"over {ranks.world} ranks")
+        config = offload.OffloadConfig(
+            dtype=args.dtype, device_budget=args.device_budget, cpu_budget=args.cpu_budget,
+            nvme_paths=args.nvme_path or None)
+        for path in rank_paths(args, ranks):
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise offload.ConfigError("--nvme-path", path, f"cannot be created: {exc.strerror}") from exc
     slow_bf16 = cpu_without_fast_bf16(args.dtype)
     if slow_bf16:
-        print(f"finetune: note: {slow_bf16}", file=sys.stderr)
+        say(f"finetune: note: {slow_bf16}")
     trainable = f" ({described.trainable / 1e6:,.3f} M trainable)" if described and args.lora_rank is not None else ""
-    print(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {args.dtype}, "
-          f"{batch} x {seq} tokens per step, {args.steps} steps", file=sys.stderr)
+    on_ranks = f" over {ranks.world} ranks ({batch // ranks.world} each)" if ranks.many else ""
+    say(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {args.dtype}, "
+        f"{batch} x {seq} tokens per step{on_ranks}, {args.steps} steps")
 
-    for path in args.nvme_path:
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise offload.ConfigError("--nvme-path", path, f"cannot be created: {exc.strerror}") from exc
     predicted = None
     if not args.no_plan:
-        result, sources, notes = make_plan(args, cfg, config, described)
-        from offload.planner_cli import format_plan
+        # Rank 0 measures and plans one rank's share of its host; every rank follows that plan (the
+        # chunk layout depends on the budgets, so all ranks must take the same ones).
+        decided = None
+        with ranks.together():
+            if ranks.lead:
+                result, sources, notes = make_plan(args, cfg, config, described, ranks)
+                from offload.planner_cli import format_plan
 
-        print(format_plan(result, sources), file=sys.stderr)
-        if not result.fits:
-            print(f"finetune: refused by the planner: {result.reason}", file=sys.stderr)
+                decided = {"text": format_plan(result, sources), "fits": result.fits, "reason": result.reason,
+                           "predicted": result.predicted_step_s, "policy": result.policy,
+                           "budgets": (result.breakdown["device_budget"], result.breakdown["cpu_budget"])}
+        decided = ranks.broadcast(decided)
+        say(decided["text"])
+        if not decided["fits"]:
+            say(f"finetune: refused by the planner: {decided['reason']}")
             return 1
-        predicted = result.predicted_step_s
-        chosen = result.policy      # the plan's activation placement, and the device budget it assumed
+        predicted = decided["predicted"]
+        chosen = decided["policy"]      # the plan's activation placement, and the device budget it assumed
         config = config.replace(activation_offload=chosen["activation_offload"],
                                 device_budget=chosen["device_budget"] or config.device_budget,
                                 gradient_accumulation_steps=chosen["micro_batches"])
+        if ranks.many:                  # the plan's budgets, the same bytes on every rank
+            config = config.replace(device_budget=decided["budgets"][0], cpu_budget=decided["budgets"][1])
     elif args.micro_batches:
         config = config.replace(gradient_accumulation_steps=args.micro_batches)
-    if batch % config.gradient_accumulation_steps:
-        raise offload.ConfigError("--micro-batches", config.gradient_accumulation_steps,
-                                  f"must divide the step's {batch} sequences")
-    if args.dry_run:
-        return 0
+    with ranks.together():
+        if (batch // ranks.world) % config.gradient_accumulation_steps:
+            raise offload.ConfigError("--micro-batches", config.gradient_accumulation_steps,
+                                      f"must divide the step's {batch} sequences" if not ranks.many else
+                                      f"must divide each rank's {batch // ranks.world} sequences")
+        if args.dry_run:
+            return 0
+        config = shared_budgets(config, ranks)
 
-    from offload.data import Batches
+        from offload.data import Batches
 
-    data = load_dataset(args, cfg.vocab_size)
-    batches = Batches(data, batch, seq)
+        data = load_dataset(args, cfg.vocab_size)
+        batches = Batches(data, batch, seq, rank=ranks.rank, world=ranks.world)
     torch.manual_seed(args.seed)
     reset_peak_rss()
     base_rss = current_rss()
@@ -369,7 +624,7 @@ def main(argv=None) -> int:
     if args.resume:
         from offload.checkpoint import resume
 
-        manifest = resume(model, optimizer, args.checkpoint_dir, say=lambda m: print(f"finetune: {m}", file=sys.stderr))
+        manifest = resume(model, optimizer, args.checkpoint_dir, say=lambda m: say(f"finetune: {m}"))
         start_step = int(manifest["extra"]["step"])
         scheduler.load_state_dict(manifest["extra"]["scheduler"])
         if "rng" in manifest["extra"]:          # dropout and other random layers go on as they would have
@@ -378,13 +633,12 @@ def main(argv=None) -> int:
         changed = batches.restore(manifest["extra"].get("data", {"next_batch": start_step, "rows": batch,
                                                                  "seq_len": seq, "path": None, "bytes": None}))
         if changed and "data" in manifest["extra"]:
-            print(f"finetune: note: {changed}", file=sys.stderr)
-        print(f"finetune: resumed from {manifest['path']} at step {start_step}", file=sys.stderr)
-    print(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.layout}",
-          file=sys.stderr)
+            say(f"finetune: note: {changed}")
+        say(f"finetune: resumed from {manifest['path']} at step {start_step}")
+    say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.layout}")
 
     flops_tok = flops_per_token(cfg, seq)
-    log = open(args.json_log, "a") if args.json_log else None
+    log = open(args.json_log, "a") if args.json_log and ranks.lead else None
     tty = sys.stderr.isatty()
     losses, times = [], []
     t_start = time.perf_counter()
@@ -397,17 +651,20 @@ def main(argv=None) -> int:
     def save():
         if at["saved"] == at["done"]:
             return                          # a preemption right after a scheduled save
+        # collective under torchrun: every rank writes its chunks
         path = save_checkpoint(model, optimizer, args.checkpoint_dir, step=at["done"],
                                extra={"step": at["done"], "scheduler": scheduler.state_dict(),
                                       "data": batches.state(), "rng": rng_state()},
                                keep=args.keep_checkpoints)
         at["saved"] = at["done"]
         if tty:
-            print(file=sys.stderr)
-        print(f"finetune: checkpoint {path}", file=sys.stderr)
+            say()
+        say(f"finetune: checkpoint {path}")
 
     # SIGTERM/SIGINT: the step in flight finishes, then save + exit 143/130 (see the docstring).
-    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune").install()
+    # torchrun passes a signal on to every rank, so all of them save together.
+    preempt = Preemption(save if args.checkpoint_dir else None, name="finetune",
+                         **({} if ranks.lead else {"notify": None})).install()
     try:
         for step in range(start_step, args.steps):
             t0 = time.perf_counter()
@@ -421,13 +678,16 @@ def main(argv=None) -> int:
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
+            # every rank logs (and judges) the same loss: the mean of the ranks' slices of the batch
+            value = ranks.mean(value, model.offload_engine.device)
             dt = time.perf_counter() - t0
             losses.append(value)
             times.append(dt)
             tok_s = batch * seq / dt
             tflops = flops_tok * batch * seq / dt / 1e12
             eta = (args.steps - step - 1) * (sum(times[-10:]) / len(times[-10:]))
-            progress(step + 1, args.steps, value, tok_s, tflops, eta, tty)
+            if ranks.lead:
+                progress(step + 1, args.steps, value, tok_s, tflops, eta, tty)
             if log:
                 log.write(json.dumps({"step": step + 1, "loss": value, "tokens_per_s": tok_s, "tflops": tflops,
                                       "step_s": dt, "peak_rss_bytes": peak_rss()}) + "\n")
@@ -441,15 +701,17 @@ def main(argv=None) -> int:
             if args.output and (done == args.steps or (args.save_every and done % args.save_every == 0)):
                 from offload.hf.output import write_output
 
+                # collective under torchrun: every rank gathers its chunks
                 path = write_output(model, args.output, merge=args.merge, max_shard_size=args.max_shard_size)
                 if tty:
-                    print(file=sys.stderr)
-                print(f"finetune: wrote {'merged weights' if args.merge else 'the adapter' if args.lora_rank else 'the model'}"
-                      f" to {path}", file=sys.stderr)
+                    say()
+                say(f"finetune: wrote {'merged weights' if args.merge else 'the adapter' if args.lora_rank else 'the model'}"
+                    f" to {path}")
             preempt.after_step()
         if tty:
-            print(file=sys.stderr)
-        summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss)
+            say()
+        if ranks.lead:
+            summary(args, model, losses, times, predicted, t_start, batch * seq, format_size, base_rss, ranks)
     finally:
         preempt.uninstall()
         if log:
@@ -458,7 +720,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def summary(args, model, losses, times, predicted, t_start, tokens_per_step, format_size, base_rss):
+def summary(args, model, losses, times, predicted, t_start, tokens_per_step, format_size, base_rss,
+            ranks: Ranks = Ranks()):
     if not losses:
         print("finetune: nothing to do (already at --steps)", file=sys.stderr)
         return
@@ -475,6 +738,9 @@ def summary(args, model, losses, times, predicted, t_start, tokens_per_step, for
         print(f"  step time      measured {median:.3f} s, planner predicted {predicted:.3f} s "
               f"({median / predicted:.2f}x)", file=sys.stderr)
     budgets = sum(t["budget"] for n, t in report["tiers"].items() if n != "nvme")
+    if ranks.many:
+        print(f"  (memory and tiers below: rank 0's; each of the {ranks.world} ranks holds its own share)",
+              file=sys.stderr)
     print(f"  peak RSS       {format_size(peak_rss())}: {format_size(base_rss)} before the model was built "
           f"(Python, torch) + {format_size(peak_rss() - base_rss)} for the run; device + CPU budgets "
           f"{format_size(budgets)}", file=sys.stderr)
@@ -486,15 +752,20 @@ def summary(args, model, losses, times, predicted, t_start, tokens_per_step, for
 
 
 if __name__ == "__main__":
+    # Under torchrun rank 0 speaks for all; a rank's own failure outside the stretches the ranks
+    # agree on (``Ranks.together``) is said by that rank, naming it.
+    rank = os.environ.get("RANK", "0")
     try:
         sys.exit(main())
     except KeyboardInterrupt:
-        print("\nfinetune: interrupted", file=sys.stderr)
+        if rank == "0":
+            print("\nfinetune: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # user mistakes: one line, no traceback
         from offload import OffloadError
 
         if isinstance(exc, OffloadError):
-            print(f"finetune: error: {exc}", file=sys.stderr)
+            who = "" if rank == "0" else f" (rank {rank})"
+            print(f"finetune: error{who}: {exc}", file=sys.stderr)
             sys.exit(1)
         raise

@@ -52,7 +52,8 @@ def main(spec_path: str) -> None:
             model = LlamaForCausalLM(get_preset("tiny"))
         model.model.gradient_checkpointing = True
     else:
-        model = TinyGPT(checkpointing=spec.get("checkpointing", True))
+        layers = 3 if spec.get("odd_rank_differs") and rank % 2 else 4
+        model = TinyGPT(checkpointing=spec.get("checkpointing", True), layers=layers)
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in spec.get("freeze", ())):
             p.requires_grad_(False)

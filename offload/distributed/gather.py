@@ -2,8 +2,11 @@
 
 Every rank must issue the same collectives in the same order, so nothing here depends on
 what a rank's own tiers happen to hold. A group is gathered when one of its chunks is pinned
-and the group is not in the *window* of gathered groups; after it, the groups the first
+and the group is not in the *window* of gathered groups; after it, the groups the last
 iteration's trace says come next are gathered ahead (asynchronously, overlapping compute). The
+trace is the order in which groups were asked for in the last whole iteration (the first one
+differs: modules pin their children's chunks too until their first forward has shown which
+ones they use). The
 window keeps the ``keep`` most recently used groups; older ones whose chunks no module has
 pinned are dropped (their borrowed chunks freed). Pins, the window and the trace are the same
 on every rank, so are the decisions.
@@ -17,6 +20,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+# How far along the trace a prefetch looks for the next groups (entries, not groups).
+LOOKAHEAD = 4
 
 
 @dataclass
@@ -37,7 +43,7 @@ class GroupGather:
         self.keep = max(2, keep)
         self.prefetch = max(0, prefetch)
         self.window: OrderedDict[int, _Gathered] = OrderedDict()
-        self.trace: list[int] | None = None     # groups in first-demand order over the first iteration
+        self.trace: list[int] | None = None     # groups in demand order over the last iteration
         self._recording: list[int] = []
         self._pos = 0
         self.hits = 0       # demands met by a group already gathered (or on its way)
@@ -45,8 +51,8 @@ class GroupGather:
 
     # ---- the engine's calls ----------------------------------------------------------------
     def begin_iteration(self) -> None:
-        if self.trace is None and self._recording:
-            self.trace = self._recording
+        if self._recording:
+            self.trace, self._recording = self._recording, []
         self._pos = 0
 
     def ensure(self, c: int) -> None:
@@ -59,6 +65,8 @@ class GroupGather:
             self.hits += 1
         self.window.move_to_end(g)
         self._complete(g)
+        if not self._recording or self._recording[-1] != g:
+            self._recording.append(g)
         protect = {g} | self._follow_trace(g)
         self._trim(protect)
 
@@ -104,8 +112,6 @@ class GroupGather:
             self._release(entry, free=True)
             raise
         self.window[g] = entry
-        if self.trace is None and (not self._recording or self._recording[-1] != g):
-            self._recording.append(g)
 
     def _complete(self, g: int) -> None:
         entry = self.window[g]
@@ -125,18 +131,25 @@ class GroupGather:
             self.engine._on_unpinned(key[1])       # its update may have been waiting for the collective
 
     def _follow_trace(self, g: int) -> set[int]:
-        """Start gathering the groups that come after ``g`` in the first iteration."""
-        trace = self.trace
+        """Start gathering the groups that come after ``g`` in the last iteration's order."""
+        trace, pos = self.trace, self._pos
         if not trace or not self.prefetch:
             return set()
-        if trace[self._pos] != g:
-            later = [j for j in range(self._pos + 1, len(trace)) if trace[j] == g]
-            earlier = [j for j in range(0, self._pos) if trace[j] == g]
-            if not later and not earlier:
-                return set()
-            self._pos = (later or earlier)[0]
-        ahead = set()
-        for g2 in trace[self._pos + 1:self._pos + 1 + self.prefetch]:
+        if trace[pos] != g:
+            if pos + 1 < len(trace) and trace[pos + 1] == g:
+                pos += 1            # the common case: the iteration replays the trace
+            else:                   # else the nearest place it was asked for, ahead first
+                places = [j for j, t in enumerate(trace) if t == g]
+                if not places:
+                    return set()
+                pos = min(places, key=lambda j: (abs(j - pos), j < pos))
+        self._pos = pos
+        ahead: set[int] = set()
+        for g2 in trace[pos + 1:pos + 1 + LOOKAHEAD]:
+            if len(ahead) == self.prefetch:
+                break
+            if g2 == g or g2 in ahead:
+                continue
             if g2 not in self.window:
                 self._start(g2)
             ahead.add(g2)

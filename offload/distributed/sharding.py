@@ -28,6 +28,7 @@ class Sharding:
     world: int
     local_rank: int = 0
     group: object = None
+    local_world: int = 1        # ranks on this host (they share its memory and cores)
 
     def __post_init__(self):
         if self.world < 1 or not 0 <= self.rank < self.world:
@@ -46,7 +47,7 @@ class Sharding:
             return None
         rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", rank))
-        return cls(rank, world, local)
+        return cls(rank, world, local, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
     def owner(self, c: int) -> int:
         return c % self.world

@@ -24,6 +24,7 @@ from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import auto_max_chunk
 from ..config import OffloadConfig
 from ..distributed import Sharding, expand_rank
+from ..distributed.agree import agreed_budgets, check_same_layout
 from ..errors import ConfigError
 from ..lazy import lazy_record
 from ..scheduler import TracePrefetcher, make_policy
@@ -56,7 +57,11 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.tracer = Tracer()
         # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
         self.dp = Sharding.from_process_group()
-        device_budget, cpu_budget = resolve_budgets(config, self.device)
+        device_budget, cpu_budget = resolve_budgets(config, self.device,
+                                                    self.dp.local_world if self.dp is not None else 1)
+        if self.dp is not None:
+            # The chunk size follows the budgets: every rank must build the same layout.
+            device_budget, cpu_budget = agreed_budgets(device_budget, cpu_budget)
         self._shapes: dict[int, torch.Size] = {}
         lazy = lazy_record(model)
         named = [(n, p) for n, p in model.named_parameters()]
@@ -71,6 +76,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.layout = ChunkLayout.build(shapes, config.chunk_size,
                                         max_chunk=auto_max_chunk(device_budget, cpu_budget),
                                         frozen={n for n, p in named if not p.requires_grad})
+        if self.dp is not None:
+            check_same_layout(self.layout, self.dtype)
         self._check_budgets(device_budget, cpu_budget)
         # The engine moves the next-use clock itself (its prefetcher follows the trace).
         self.policy = make_policy(config.eviction, auto_advance=False)
@@ -135,6 +142,11 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         for _, p in named:
             p._offload_engine = weakref.ref(self)
         threads = None if config.optimizer_threads == "auto" else config.optimizer_threads
+        if threads is None and self.dp is not None and self.dp.local_world > 1:
+            # Ranks on one host share its cores: each runs its Adam on its share of them.
+            from ..native import physical_cores
+
+            threads = max(1, physical_cores() // self.dp.local_world)
         self.adam = ChunkAdam(self, threads)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
         self.optimizer = None

@@ -19,11 +19,12 @@ def compute_device(config: OffloadConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_budgets(config: OffloadConfig, device: torch.device) -> tuple[int, int]:
-    """``(device_budget, cpu_budget)`` in bytes."""
+def resolve_budgets(config: OffloadConfig, device: torch.device, local_world: int = 1) -> tuple[int, int]:
+    """``(device_budget, cpu_budget)`` in bytes. ``local_world``: processes sharing this host's
+    memory (ranks on one node); "auto" host budgets are this process's share of it."""
     import psutil
 
-    available = psutil.virtual_memory().available
+    available = psutil.virtual_memory().available // max(1, local_world)
     if config.device_budget != "auto":
         device_budget = int(config.device_budget)
     elif device.type == "cuda":

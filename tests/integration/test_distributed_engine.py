@@ -216,3 +216,11 @@ def test_distributed_data_parallel_around_a_wrapped_model_is_refused_clearly(tmp
     for r in results:
         line = next(l for l in r.output.splitlines() if l.startswith("RANK-ERROR"))
         assert "UnsupportedError" in line and "DistributedDataParallel" in line, line
+
+
+def test_ranks_with_different_models_are_refused_at_wrap_naming_them(tmp_path):
+    results = launch(WORKER, {"steps": 1, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "odd_rank_differs": True}, 2, tmp_path, timeout_s=120)
+    for r in results:
+        line = next(l for l in r.output.splitlines() if l.startswith("RANK-ERROR"))
+        assert "ConfigError" in line and "different chunk layouts" in line and "rank 1:" in line, line

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import ConfigError
-from offload.data import IGNORE, Batches, load_data
+from offload.data import IGNORE, Batches, load_data, shard_rows
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -138,3 +138,35 @@ def test_restore_notes_changed_data(tmp_path):
     state = b.state()
     path.write_text("y" * 120)
     assert "bytes" in Batches(load_data(path), 2, 8).restore(state)
+
+
+@settings(max_examples=15, deadline=None)
+@given(world=st.sampled_from([1, 2, 3, 4]), per=st.integers(1, 3), steps=st.integers(1, 4),
+       kind=st.sampled_from(["txt", "jsonl"]))
+def test_rank_slices_together_are_the_single_process_batch(tmp_path_factory, world, per, steps, kind):
+    """Each rank's slice of a global batch is disjoint and, in rank order, the batch one process sees;
+    the data position (what a checkpoint keeps) counts global batches whatever the world size."""
+    d = tmp_path_factory.mktemp("d")
+    if kind == "txt":
+        path = d / "a.txt"
+        path.write_text("".join(chr(97 + i % 26) for i in range(300)))
+    else:
+        path = write(d, "pc.jsonl", [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(5)])
+    data, rows = load_data(path), world * per
+    single = Batches(data, rows, 8)
+    ranks = [Batches(data, rows, 8, rank=r, world=world) for r in range(world)]
+    for _ in range(steps):
+        want = single.next()
+        got = [b.next() for b in ranks]
+        assert all(g[0].shape == (per, 8) for g in got)
+        assert torch.equal(torch.cat([g[0] for g in got]), want[0])
+        assert torch.equal(torch.cat([g[1] for g in got]), want[1])
+    assert {json.dumps(b.state()) for b in ranks} == {json.dumps(single.state())}
+
+
+def test_rank_slices_need_an_even_split():
+    assert shard_rows(6, 1, 3) == range(2, 4)
+    with pytest.raises(ConfigError, match="--batch-tokens.*evenly over 4 ranks"):
+        shard_rows(6, 0, 4)
+    with pytest.raises(ConfigError, match="rank"):
+        shard_rows(6, 3, 3)
