@@ -153,6 +153,10 @@ class ChunkLayout:
             raise ConfigError("sizes", len(self.sizes), f"expected one size and class per chunk ({count})")
         self.num_chunks = count
         self._by_name = {s.name: s for s in self.slots}
+        # Elements of each chunk up to its last parameter's end: the tail beyond is padding,
+        # which collectives need not move (offload.distributed).
+        self.used: tuple[int, ...] = tuple(
+            max((s.end for s in self.slots if s.chunk == c), default=0) for c in range(count))
 
     @classmethod
     def build(cls, params: Iterable[tuple[str, Sequence[int]]], chunk_size: Union[int, str] = "auto", *,

@@ -7,8 +7,8 @@ iteration's trace says come next are gathered ahead (asynchronously, overlapping
 trace is the order in which groups were asked for in the last whole iteration (the first one
 differs: modules pin their children's chunks too until their first forward has shown which
 ones they use). The
-window keeps the ``keep`` most recently used groups; older ones whose chunks no module has
-pinned are dropped (their borrowed chunks freed). Pins, the window and the trace are the same
+window keeps ``keep`` groups; beyond that, a group whose chunks no module has pinned is dropped
+(its borrowed chunks freed): the one the trace asks for again latest. Pins, the window and the trace are the same
 on every rank, so are the decisions.
 
 A gathered copy of another rank's chunk is current until its owner updates it: every group
@@ -103,15 +103,22 @@ class GroupGather:
                 else:
                     views.append(store.access(key, self.tier, overwrite=True))
                     entry.borrowed.append(key)
-            sizes = {v.numel() for v in views}
-            if len(chunks) == s.world and len(sizes) == 1:
-                entry.works = [self.comms.all_gather(views, views[s.rank])]
-            else:       # a short last group, or an oversized chunk beside bulk ones: one broadcast each
-                entry.works = [self.comms.broadcast(v, s.owner(c)) for c, v in zip(chunks, views)]
+            entry.works = self._collectives(chunks, views)
         except BaseException:
             self._release(entry, free=True)
             raise
         self.window[g] = entry
+
+    def _collectives(self, chunks: list[int], views: list) -> list:
+        """One all-gather for a full group of chunks of one size, else one broadcast per chunk.
+        Either moves each chunk up to its last parameter only: the padding after it is never
+        read by compute (and the owner's copy keeps it)."""
+        s, used = self.sharding, self.engine.layout.used
+        if len(chunks) == s.world and len({v.numel() for v in views}) == 1:
+            n = max(used[c] for c in chunks)
+            return [self.comms.all_gather([v[:n] for v in views], views[s.rank][:n])]
+        # A short last group, or an oversized chunk beside bulk ones.
+        return [self.comms.broadcast(v[:used[c]], s.owner(c)) for c, v in zip(chunks, views)]
 
     def _complete(self, g: int) -> None:
         entry = self.window[g]
@@ -160,12 +167,25 @@ class GroupGather:
         return all(pins[c] == 0 for c in self.window[g].chunks)
 
     def _trim(self, protect: set[int]) -> None:
+        """Drop groups beyond ``keep``: the one the trace uses again latest (or never), as
+        Belady's rule says; the least recently used one before there is a trace. A group that
+        is used at both ends of forward (a tied embedding and head) then stays gathered through
+        it rather than being gathered twice."""
         while len(self.window) > self.keep:
-            victim = next((g for g in self.window if g not in protect and self._unused(g)), None)
-            if victim is None:
+            candidates = [g for g in self.window if g not in protect and self._unused(g)]
+            if not candidates:
                 return
+            victim = max(candidates, key=self._next_use) if self.trace else candidates[0]
             self._complete(victim)
             self._drop(victim)
+
+    def _next_use(self, g: int) -> float:
+        """Trace position at which group ``g`` is asked for next (infinity: not again)."""
+        trace = self.trace
+        for j in range(self._pos + 1, len(trace)):
+            if trace[j] == g:
+                return j
+        return float("inf")
 
     def _drop(self, g: int) -> None:
         self._release(self.window.pop(g), free=True)

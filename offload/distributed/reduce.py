@@ -81,11 +81,14 @@ class GradReducer:
         chunks = sorted(done)
         views = [done[c] for c in chunks]
         self.issued.add(g)
+        used = self.engine.layout.used
         try:
+            # Up to each chunk's last parameter: the padding after it is zeros on every rank.
             if len(chunks) == s.world and len({v.numel() for v in views}) == 1:
-                works = [self.comms.reduce_scatter(views[s.rank], views)]
+                n = max(used[c] for c in chunks)
+                works = [self.comms.reduce_scatter(views[s.rank][:n], [v[:n] for v in views])]
             else:   # a short group, frozen chunks in it, or an oversized chunk: one reduce each
-                works = [self.comms.reduce(v, s.owner(c)) for c, v in zip(chunks, views)]
+                works = [self.comms.reduce(v[:used[c]], s.owner(c)) for c, v in zip(chunks, views)]
         except BaseException:
             for c in chunks:
                 self.store.release(("grad", c), self.tier)

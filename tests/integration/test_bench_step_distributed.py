@@ -96,9 +96,6 @@ def test_short_run_figures_hang_together(short_run):
     assert ours["losses"][-1] == pytest.approx(one["losses"][-1], rel=2e-2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17: after the first iteration the group gather's trace "
-                   "prefetch re-gathers groups (window of 3, cursor jumping between occurrences), "
-                   "and whole-chunk padding rides every collective; see the dp-bench report")
 def test_ours_moves_no_more_than_fsdp2(short_run):
     r = short_run
     assert r["ours_over_fsdp2_bytes"] <= 1.0, (r["ours"]["sent_bytes_per_rank"], r["fsdp2"]["sent_bytes_per_rank"])
