@@ -76,16 +76,17 @@ class Ranks:
         """End a step every rank takes: raise ``error`` here if this rank failed, ``PeerFailed`` (or
         ``ConfigError`` when the peer's was one) naming the first failed rank when another did;
         when all succeeded, return every rank's ``value`` (in rank order) on every rank."""
-        reports = self.gather((None if error is None else _report(error), None if error else value))
+        reports = self.gather((None if error is None else report(error), None if error else value))
         if error is not None:
             raise error
-        for r, (report, _) in enumerate(reports):
-            if report is not None:
-                raise peer_error(r, report, what)
+        for r, (failed, _) in enumerate(reports):
+            if failed is not None:
+                raise peer_error(r, failed, what)
         return [v for _, v in reports]
 
 
-def _report(error: BaseException) -> tuple[str, str, tuple]:
+def report(error: BaseException) -> tuple[str, str, tuple]:
+    """What a rank tells the others of its failure (picklable; ``peer_error`` turns it back)."""
     if isinstance(error, ConfigError):
         value = error.value if isinstance(error.value, (str, int, float, bool, type(None))) else repr(error.value)
         return ("config", str(error), (error.field, value, error.why))
