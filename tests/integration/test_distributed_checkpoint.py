@@ -149,7 +149,7 @@ def scenario_export(tmp, rank, world, args):
 
     model, opt = build(tmp)
     offload.load_checkpoint(model, opt, tmp / "ckpt")
-    out = tmp / f"export-{args['name']}"
+    out = tmp / f"export-{args['label']}"
     export_safetensors(model, out, max_shard_bytes=args.get("shard", 8192))
     return {"files": sorted(p.name for p in out.iterdir()) if rank == 0 else None}
 
@@ -315,8 +315,8 @@ def test_export_under_two_ranks_equals_the_single_process_export(saved):
     from safetensors.torch import load_file
 
     tmp, _ = saved
-    one = ok(run("export", tmp, 1, name="one"))
-    two = ok(run("export", tmp, 2, name="two"))
+    one = ok(run("export", tmp, 1, label="one"))
+    two = ok(run("export", tmp, 2, label="two"))
     assert one[0]["files"] == two[0]["files"] and len(one[0]["files"]) > 2
     for f in one[0]["files"]:
         if f.endswith(".safetensors"):
