@@ -22,6 +22,7 @@ class Verdict:
 
     path: str
     step: int | None = None
+    world: int = 1               # ranks that saved it (one file per kind and rank)
     chunks: int = 0              # chunks whose checksum was checked
     files: int = 0               # files read
     bytes: int = 0               # bytes read
@@ -43,6 +44,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
     try:
         manifest = read_manifest(ckpt)
         verdict.step = int(manifest["step"])
+        verdict.world = int(manifest.get("world", 1))
         algorithm = manifest["checksum"]
         kinds = manifest["kinds"]
     except (OffloadError, KeyError, TypeError, ValueError) as exc:
@@ -136,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     for v in verdicts:
         name = Path(v.path).name
         if v.ok:
-            print(f"ok       {name}: {v.chunks} chunks, {v.files} files, {format_bytes(v.bytes)} verified")
+            ranks = f" of {v.world} ranks" if v.world > 1 else ""
+            print(f"ok       {name}: {v.chunks} chunks, {v.files} files{ranks}, {format_bytes(v.bytes)} verified")
         else:
             print(f"CORRUPT  {name}: {len(v.problems)} problem(s)")
             for p in v.problems:
