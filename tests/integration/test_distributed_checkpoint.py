@@ -154,8 +154,39 @@ def scenario_export(tmp, rank, world, args):
     return {"files": sorted(p.name for p in out.iterdir()) if rank == 0 else None}
 
 
+def scenario_hf_export(tmp, rank, world, args):
+    """A tiny Llama (tied embeddings) in bf16 written as an HF directory, in bf16 and in fp32 (from the
+    fp32 masters). Untrained: the values do not depend on the world size, so files compare exactly."""
+    import sys
+
+    from offload.hf import export_pretrained
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hf_models import tiny_llama
+
+    cfg = config(tmp, "bf16")
+    if FAKE_DP:
+        import dataclasses
+
+        import torch.distributed as dist
+
+        import offload.api
+        from offload.distributed import Sharding
+
+        offload.api._refuse_data_parallel = lambda: None
+        cfg = dataclasses.replace(cfg, nvme_paths=[p.format(rank=rank) for p in cfg.nvme_paths])
+    cfg = __import__("dataclasses").replace(cfg, device_budget="256KiB", cpu_budget="256KiB", chunk_size=4096)
+    model = offload.wrap(tiny_llama(), cfg)
+    if FAKE_DP:
+        model.offload_engine.dp = Sharding(rank, world) if world > 1 else None
+    out = tmp / f"hf-{args['label']}"
+    export_pretrained(model, out, max_shard_size="40KB")                    # bf16: the param chunks
+    export_pretrained(model, tmp / f"hf32-{args['label']}", max_shard_size="40KB", dtype="fp32")  # the masters
+    return {"files": sorted(p.name for p in out.iterdir()) if rank == 0 else None}
+
+
 SCENARIOS = {f.__name__[len("scenario_"):]: f for f in
-             (scenario_train_and_save, scenario_resume, scenario_failing_save, scenario_export)}
+             (scenario_train_and_save, scenario_resume, scenario_failing_save, scenario_export, scenario_hf_export)}
 
 
 def _worker(rank: int, world: int, port: int, name: str, tmp: str, args: dict) -> None:
@@ -324,3 +355,19 @@ def test_export_under_two_ranks_equals_the_single_process_export(saved):
             assert a.keys() == b.keys()
             for k in a:
                 torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+
+
+def test_hf_export_under_two_ranks_equals_the_single_process_export(disk_tmp):
+    from safetensors.torch import load_file
+
+    one = ok(run("hf_export", disk_tmp, 1, label="one"))
+    two = ok(run("hf_export", disk_tmp, 2, label="two"))
+    assert one[0]["files"] == two[0]["files"] and "config.json" in one[0]["files"]
+    shards = [f for f in one[0]["files"] if f.endswith(".safetensors")]
+    assert len(shards) > 1
+    for prefix in ("hf", "hf32"):
+        for f in sorted(p.name for p in (disk_tmp / f"{prefix}-one").glob("*.safetensors")):
+            a, b = load_file(disk_tmp / f"{prefix}-one" / f), load_file(disk_tmp / f"{prefix}-two" / f)
+            assert a.keys() == b.keys()
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
