@@ -14,7 +14,7 @@ from torch import nn
 from . import grad_clip
 from .config import OffloadConfig
 from .engine import OffloadEngine
-from .errors import ConfigError, OffloadError, UnsupportedError
+from .errors import ConfigError, OffloadError
 from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, _scalar_dtype
 
@@ -25,18 +25,6 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def engine_of(p: torch.Tensor) -> OffloadEngine | None:
     ref = getattr(p, "_offload_engine", None)
     return ref() if ref is not None else None
-
-
-def _refuse_data_parallel() -> None:
-    """Under a process group of several ranks each rank would train its own copy with no gradient
-    exchange — silently not data parallelism. Refuse until sharding across ranks exists."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise UnsupportedError(
-            f"offload.wrap under torch.distributed with {dist.get_world_size()} ranks: data-parallel "
-            "training (gradients exchanged, state sharded across ranks) is not supported yet, and each "
-            "rank would train its own copy; run a single process per model")
 
 
 def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
@@ -50,7 +38,6 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         raise ConfigError("model", type(model).__name__, "expected a torch.nn.Module")
     if any(engine_of(p) is not None for p in model.parameters()):
         raise ConfigError("model", type(model).__name__, "is already wrapped by offload")
-    _refuse_data_parallel()
     if config is None:
         record = lazy_record(model)
         config = record.config if record is not None and record.config is not None else OffloadConfig()

@@ -32,6 +32,18 @@ class UnsupportedError(OffloadError, NotImplementedError):
     """A valid request that this version does not support (the message says what to do instead)."""
 
 
+class DistributedError(OffloadError, RuntimeError):
+    """A collective across ranks failed: a peer died, timed out, or the ranks disagree. The
+    message names this rank, the collective, and the failed rank when it is known."""
+
+    def __init__(self, rank: int, what: str, why: str, failed_rank: int | None = None):
+        self.rank = rank
+        self.what = what
+        self.failed_rank = failed_rank
+        peer = f"rank {failed_rank} failed" if failed_rank is not None else "a peer rank failed or stopped responding"
+        super().__init__(f"rank {rank}: {what}: {peer}: {why}")
+
+
 class NvmeIOError(OffloadError, OSError):
     """An I/O request failed. Carries ``errno``, ``path``, ``offset`` and ``length`` (bytes)."""
 

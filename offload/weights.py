@@ -371,7 +371,8 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
         with torch.no_grad():
             for i, (c, members) in enumerate(work):
                 if c is not None:
-                    _load_chunk(engine, c, members, tensor, staging)
+                    if engine.params.keeps(c):      # under several ranks, each loads the chunks it owns
+                        _load_chunk(engine, c, members, tensor, staging)
                 else:
                     p, name, file = members[0]
                     value = tensor(file, name)

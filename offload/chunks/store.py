@@ -76,18 +76,20 @@ class ChunkStore(ChunkTraffic):
         """Add ``count`` chunks of ``numel`` elements of ``dtype`` under ``kind``; reserves NVMe slots."""
         return self.register_chunks(kind, {i: numel for i in range(count)}, dtype)
 
-    def register_chunks(self, kind: str, numels: dict[int, int], dtype: torch.dtype) -> list[ChunkKey]:
+    def register_chunks(self, kind: str, numels: dict[int, int], dtype: torch.dtype, *,
+                        nvme: bool = True) -> list[ChunkKey]:
         """Add chunks ``(kind, i)`` of ``numels[i]`` elements of ``dtype``; reserves NVMe slots.
 
         Indices may skip (frozen chunks have no gradient or optimizer state) and sizes may differ
-        (an oversized parameter's own chunk)."""
+        (an oversized parameter's own chunk). ``nvme=False``: no slots (chunks another rank owns,
+        held only while pinned, then released: they are never written down)."""
         with self.lock:
             keys = [(kind, i) for i in numels]
             if any(k in self.records for k in keys):
                 raise ConfigError("kind", kind, "is already registered")
             sizes = [n * dtype.itemsize for n in numels.values()]
             slots: list[NvmeSlot | None] = [None] * len(keys)
-            if "nvme" in self.tiers and keys:
+            if "nvme" in self.tiers and keys and nvme:
                 slots = self.tiers["nvme"].reserve_slots(kind, sizes)
             for key, numel, nbytes, slot in zip(keys, numels.values(), sizes, slots):
                 self.records[key] = ChunkRecord(key, numel, dtype, nbytes, slot=slot)

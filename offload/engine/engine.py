@@ -23,11 +23,12 @@ from torch import nn
 from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import auto_max_chunk
 from ..config import OffloadConfig
+from ..distributed import Sharding, expand_rank
 from ..errors import ConfigError
 from ..lazy import lazy_record
 from ..scheduler import TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
-from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes
+from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes_sharded
 from ..tiers.gpu_timeline import GpuTimeline
 from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
@@ -53,6 +54,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.device = compute_device(config)
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
+        # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
+        self.dp = Sharding.from_process_group()
         device_budget, cpu_budget = resolve_budgets(config, self.device)
         self._shapes: dict[int, torch.Size] = {}
         lazy = lazy_record(model)
@@ -86,7 +89,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
                                 pin=self.device.type == "cuda" and config.pin_memory)]
             aliases = None
         if config.nvme_paths is not None:
-            tiers.append(NvmeTier(config.nvme_paths, config.aio, prefix=f"offload-{id(self):x}"))
+            tiers.append(NvmeTier(expand_rank(config.nvme_paths, self.dp), config.aio,
+                                  prefix=f"offload-{id(self):x}"))
         self.store = ChunkStore(tiers, self.policy, aliases=aliases)
         if self.device.type == "cuda":
             # The compute stream is the one current now (and again at each forward's start).
@@ -98,18 +102,28 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.store.urgent_kinds = frozenset({"param"})
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
-                                    on_unpinned=self._on_unpinned, tracer=self.tracer)
+                                    on_unpinned=self._on_unpinned, tracer=self.tracer, sharding=self.dp)
         self.store.on_free = self.params.on_store_free
         self.params.register_chunks()
         # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
         # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
         # together is done in fp32. Frozen chunks get neither gradients nor optimizer state.
         trainable = self.params.trainable_sizes()
-        self.store.register_chunks("grad", trainable,
-                                   self.dtype if config.gradient_accumulation_steps == 1 else torch.float32)
+        kept = self.params.trainable_sizes(kept_only=True)
+        grad_dtype = self.dtype if config.gradient_accumulation_steps == 1 else torch.float32
+        if config.gradient_accumulation_steps == 1:
+            # Another rank's gradient chunk lives from its first gradient until its group is
+            # reduced, pinned all along: it never needs an NVMe slot. Accumulated ones may.
+            self.store.register_chunks("grad", kept, grad_dtype)
+            others = {c: n for c, n in trainable.items() if c not in kept}
+            if others:
+                self.store.register_chunks("grad", others, grad_dtype, nvme=False)
+        else:
+            self.store.register_chunks("grad", trainable, grad_dtype)
         for kind in ("exp_avg", "exp_avg_sq"):
-            self.store.register_chunks(kind, trainable, torch.float32)
-        persistent = sum(r.nbytes for r in self.store.records.values() if r.key[0] != "grad")
+            self.store.register_chunks(kind, kept, torch.float32)
+        persistent = sum(r.nbytes for r in self.store.records.values()
+                         if r.key[0] != "grad" and self.params.keeps(r.key[1]))
         # When the persistent state cannot all stay in memory, the optimizer writes each chunk's
         # new state down as soon as it is done (see ChunkAdam.update).
         self.spills = config.nvme_paths is not None and persistent > device_budget + cpu_budget
@@ -124,6 +138,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.adam = ChunkAdam(self, threads)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
         self.optimizer = None
+        self._setup_data_parallel()
         self._grad_expected = [sum(p.requires_grad for p in m) for m in self.params.chunk_members]
         self._grad_gaps = [self._gaps(c) for c in range(self.layout.num_chunks)]
         self._reset_window()
@@ -141,6 +156,29 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self._closed = False
 
     # ---- set-up -------------------------------------------------------------------------
+    def _setup_data_parallel(self) -> None:
+        """Collectives, the parameter gather and the gradient reducer (None in a single process)."""
+        self.comms = self.gather = self.reducer = None
+        self.comm_device = torch.device("cpu")
+        if self.dp is None:
+            return
+        import torch.distributed as dist
+
+        from ..distributed import failure
+        from ..distributed.comms import Collectives
+        from ..distributed.gather import GroupGather
+        from ..distributed.reduce import GradReducer
+
+        failure.install(self.dp.rank)
+        if dist.get_backend() == "nccl":
+            self.comm_device = self.device
+        self.comms = Collectives(self.dp)
+        self.gather = GroupGather(self, self.comms, prefetch=1 if self.config.prefetch_depth > 0 else 0)
+        self.reducer = GradReducer(self, self.comms)
+        self.params.ensure = self.gather.ensure
+        self.params.comms = self.comms
+        self.params.comm_device = self.comm_device
+
     def _check_budgets(self, device_budget: int, cpu_budget: int) -> None:
         """Refuse up front budgets that cannot hold the minimum working set of one step.
 
@@ -151,15 +189,18 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         lay = self.layout
         n = lay.chunk_size
         e = self.dtype.itemsize
-        need_device = min_device_bytes(n, e, lay.largest_chunk)
+        need_device = min_device_bytes_sharded(n, e, lay.largest_chunk, self.dp.world if self.dp else 1)
         trainable = [lay.sizes[c] for c in lay.trainable_chunks]
         need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), lay.largest_chunk * e)
+        groups = (f"; under {self.dp.world} ranks, 4 gathered groups of {self.dp.world} parameter chunks and "
+                  f"2 of gradient chunks being reduced" if self.dp else "")
         why = (f"chunks are {n} elements (the largest has {lay.largest_chunk}); "
                "raise the budget or lower chunk_size")
         if device_budget < need_device:
             raise ConfigError("device_budget", device_budget,
                               f"holds less than the {format_bytes(need_device)} one backward step needs "
-                              f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients): {why}")
+                              f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients"
+                              f"{groups}): {why}")
         if cpu_budget < need_cpu:
             raise ConfigError("cpu_budget", cpu_budget,
                               f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
@@ -232,6 +273,10 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             "loss_scale": self.scaler.scale if self.scaler is not None else None,
             "activations": self.activations.take_stats() if self.activations is not None else None,
         }
+        if self.comms is not None:
+            self.last_stats["collectives"] = self.comms.take_stats()
+            self.last_stats["rank"] = self.dp.rank
+            self.last_stats["world_size"] = self.dp.world
         self.prefetcher.hits = self.prefetcher.misses = 0
         self.store.reset_counters()
         self.tracer.dump()

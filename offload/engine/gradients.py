@@ -78,11 +78,22 @@ class GradCapture:
                 ref = self.params.ref(p)
                 if p.requires_grad and ref.index not in self.with_grad:
                     view[ref.slot.offset:ref.slot.end].zero_()
-            if not self.eager:   # the update waits for backward: clipping or overflow checks need the norm
+        if self.reducer is not None and self.final_micro_batch:
+            # Data parallel: the owner goes on (_grad_chunk_ready) once the group is reduced.
+            self.reducer.chunk_finished(c, view)
+            return
+        self._grad_chunk_ready(c, view, reduced=self.reducer is None)
+
+    def _grad_chunk_ready(self, c: int, view: torch.Tensor, *, reduced: bool) -> None:
+        """Chunk ``c``'s gradients (``view``, pinned on the device) are final for this window:
+        ``reduced`` says they are this rank's to update (always, in a single process)."""
+        if not self.eager and reduced:
+            # The update waits for backward: clipping or overflow checks need the norm.
+            with self._on_compute():
                 v = view if view.dtype == torch.float32 else view.float()
                 self.sumsq[c] = torch.dot(v, v)
         self.store.release(("grad", c), "device", dirty=True)
-        if self.eager:
+        if self.eager and reduced:
             self.window_applied = True
             if c in self.parked:
                 # Queued when backward ends, to run while the next forward runs. Until then its
@@ -95,7 +106,7 @@ class GradCapture:
             # (which the trace does not show) from being evicted to make room meanwhile.
             self.adam.prefetch(c)
             self.ready.add(c)
-            if self.params.pins[c] == 0:
+            if self._may_update(c):
                 self._submit(c)
 
     def _submit(self, c: int) -> None:
@@ -104,7 +115,12 @@ class GradCapture:
         self.updated_chunks.add(c)
         self.adam.submit(c, self._runs(c), 1.0)
 
+    def _may_update(self, c: int) -> bool:
+        """Nothing reads chunk ``c``'s parameters on the device (a module, or a collective
+        sending them to the other ranks)."""
+        return self.params.pins[c] == 0 and (self.gather is None or not self.gather.holds(c))
+
     def _on_unpinned(self, c: int) -> None:
-        if c in self.ready:
+        if c in self.ready and self._may_update(c):
             self._submit(c)
 

@@ -42,7 +42,9 @@ class ModuleHooks:
         self.active: list[nn.Module] = []
         self.fwd_pinned: list[tuple[nn.Module, list[int]]] = []
         self._handles = []
-        budget_elems = self.device_budget // (2 * self.params.dtype.itemsize)
+        # Under N ranks each chunk pinned brings its whole communication group (N chunks).
+        world = self.dp.world if self.dp is not None else 1
+        budget_elems = self.device_budget // (2 * self.params.dtype.itemsize * world)
         for module in self.model.modules():
             own = self._own_params(module)
             if not own and module is not self.model:
@@ -174,6 +176,8 @@ class ModuleHooks:
         if self.store.streams is not None:
             self.store.streams.capture()     # this forward's stream is the compute stream
         self.prefetcher.begin_iteration()
+        if self.gather is not None:
+            self.gather.begin_iteration()
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = self.tracer.totals["wait"]
         self.fwd_started = time.perf_counter()
@@ -229,6 +233,7 @@ class ModuleHooks:
     def _begin_backward(self) -> None:
         self.in_backward = True
         final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
+        self.final_micro_batch = final_micro_batch
         self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
                       and not self.optimizer.defers_update() and final_micro_batch)
         if self.eager:
@@ -251,9 +256,14 @@ class ModuleHooks:
     def _end_backward(self) -> None:
         for c in list(self.grad_views):
             self._finish_grad_chunk(c)
+        if self.reducer is not None and self.final_micro_batch:
+            self.reducer.flush()
+            self.window_reduced = True
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
         self.params.unpin_all()
+        if self.gather is not None and self.final_micro_batch:
+            self.gather.drop_all()      # the owners update their chunks now: borrowed copies go stale
         for c in sorted(self.ready | (self.parked & self.grad_chunks)):
             self._submit(c)
         self.adam.reorder(self._deadline)
@@ -270,6 +280,8 @@ class ModuleHooks:
         for c in list(self.grad_views):
             self.grad_views.pop(c)
             self.store.release(("grad", c), "device", dirty=True)
+        if self.reducer is not None:
+            self.reducer.abort()
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
         self.params.unpin_all()
@@ -279,6 +291,7 @@ class ModuleHooks:
     def _bwd_reset(self) -> None:
         self.in_backward = False
         self.eager = False
+        self.final_micro_batch = False
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
         self.bwd_started: dict[nn.Module, float] = {}

@@ -29,7 +29,8 @@ class ChunkedParams:
     """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
-                 compute_dtype: torch.dtype, device: torch.device, on_pin=None, on_unpinned=None, tracer=None):
+                 compute_dtype: torch.dtype, device: torch.device, on_pin=None, on_unpinned=None, tracer=None,
+                 sharding=None):
         self.layout = layout
         self.store = store
         self.dtype = compute_dtype
@@ -50,6 +51,16 @@ class ChunkedParams:
         self.on_pin = on_pin            # callback(chunk, hit: bool) for prefetch statistics
         self.tracer = tracer
         self.on_unpinned = on_unpinned  # callback(chunk) when its last pin goes
+        # Data parallel (offload.distributed): this rank keeps only the chunks it owns; the
+        # others' parameters are gathered by ``ensure(chunk)`` before a pin needs them.
+        self.sharding = sharding
+        self.ensure = None
+        self.comms = None       # offload.distributed.comms.Collectives, under several ranks
+        self.comm_device = torch.device("cpu")     # where collectives take their tensors
+
+    def keeps(self, c: int) -> bool:
+        """Whether this rank stores chunk ``c`` (its parameters, master and optimizer state)."""
+        return self.sharding is None or self.sharding.owns(c)
 
     def ref(self, p: nn.Parameter) -> ParamRef:
         return self.refs[id(p)]
@@ -59,14 +70,18 @@ class ChunkedParams:
 
     def register_chunks(self) -> None:
         sizes = dict(enumerate(self.layout.sizes))
-        self.store.register_chunks("param", sizes, self.dtype)
+        self.store.register_chunks("param", {c: n for c, n in sizes.items() if self.keeps(c)}, self.dtype)
+        borrowed = {c: n for c, n in sizes.items() if not self.keeps(c)}
+        if borrowed:    # held only while gathered from their owners: never written down
+            self.store.register_chunks("param", borrowed, self.dtype, nvme=False)
         if self.has_master:
             # Frozen chunks never change: their compute-precision parameters are all they need.
-            self.store.register_chunks("master", self.trainable_sizes(), torch.float32)
+            self.store.register_chunks("master", self.trainable_sizes(kept_only=True), torch.float32)
 
-    def trainable_sizes(self) -> dict[int, int]:
-        """``{chunk: elements}`` of the chunks that hold trainable parameters."""
-        return {c: self.layout.sizes[c] for c in self.layout.trainable_chunks}
+    def trainable_sizes(self, kept_only: bool = False) -> dict[int, int]:
+        """``{chunk: elements}`` of the chunks that hold trainable parameters (``kept_only``:
+        those this rank stores)."""
+        return {c: self.layout.sizes[c] for c in self.layout.trainable_chunks if not kept_only or self.keeps(c)}
 
     def master_kind(self, c: int) -> str:
         """The kind holding chunk ``c``'s most precise values: its fp32 master, or (fp32 compute,
@@ -87,9 +102,10 @@ class ChunkedParams:
                     s = self.ref(p).slot
                     view[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(kind_dtype))
 
-            self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
-            if self.master_kind(c) == "master":
-                self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
+            if self.keeps(c):
+                self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
+                if self.master_kind(c) == "master":
+                    self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
             for p in members:
                 p.data = self._placeholder
 
@@ -155,6 +171,10 @@ class ChunkedParams:
             real = [p for p in members if p.numel() == self.ref(p).slot.numel and p.numel() > 0]
             if not real:
                 continue
+            if not self.keeps(c):
+                for p in real:
+                    p.data = self._placeholder
+                continue
             values = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32, device="cpu")
             for p in real:
                 s = self.ref(p).slot
@@ -166,6 +186,8 @@ class ChunkedParams:
         return [self.ref(p).name for p in self.chunk_members[c]]
 
     def _initialize_chunk(self, c: int, values: torch.Tensor, tier: str) -> None:
+        if not self.keeps(c):
+            return
         self.store.initialize(("param", c), tier, lambda v: v.copy_(values.to(self.dtype)))
         if self.master_kind(c) == "master":
             self.store.initialize(("master", c), tier, lambda v: v.copy_(values))
@@ -178,6 +200,8 @@ class ChunkedParams:
         re-pins it. They go (``detach``) when the store frees that device buffer.
         """
         if self.pins[c] == 0:
+            if self.ensure is not None:
+                self.ensure(c)
             hit = self.store.landed(("param", c), self.tier)
             if self.tracer is not None:
                 with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
@@ -226,7 +250,10 @@ class ChunkedParams:
         """Values of ``params`` (default: all) in chunk ``kind`` (default: the fp32 master, or the
         parameters themselves, as fp32), reading each chunk once: ``{id(param): tensor}``.
         A kind whose chunk holds nothing yet (exp_avg before the first step) reads as zeros, as
-        does optimizer state of a frozen chunk (it has none)."""
+        does optimizer state of a frozen chunk (it has none).
+
+        Under several ranks this is a collective (every rank calls it with the same arguments):
+        each chunk comes from its owner by broadcast, and every rank gets every value."""
         wanted = None if params is None else {id(p) for p in params}
         out = {}
         bufs: dict[str, torch.Tensor] = {}
@@ -235,14 +262,14 @@ class ChunkedParams:
             if not members:
                 continue
             k = kind or self.master_kind(c)
-            if (k, c) not in self.store.records:
+            if not self._has_kind(k, c):
                 k = "param" if k == "master" else None
             if k is None:
                 chunk = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32)
             else:
                 if k not in bufs:
                     bufs[k] = self._staging(k)
-                chunk = self._read_or_zeros((k, c), bufs[k])
+                chunk = self._from_owner((k, c), bufs[k])
             for p in members:
                 s = self.ref(p).slot
                 value = chunk[s.offset:s.end].view(s.shape)
@@ -260,6 +287,8 @@ class ChunkedParams:
                 by_chunk.setdefault(self.ref(p).slot.chunk, []).append(p)
         bufs = {kind: self._staging(kind) for kind in kinds}
         for c, members in by_chunk.items():
+            if not self.keeps(c):
+                continue        # its owner writes it
             for kind in kinds:
                 if (kind, c) not in self.store.records:
                     continue        # a frozen chunk has no master or optimizer state
@@ -268,6 +297,28 @@ class ChunkedParams:
                     s = self.ref(p).slot
                     chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(chunk.dtype))
                 self.store.write((kind, c), chunk)
+
+    def _has_kind(self, kind: str, c: int) -> bool:
+        """Whether chunk ``c`` has state of ``kind`` (on its owner): the same answer on every rank."""
+        if kind == "param":
+            return True
+        if kind == "master":
+            return self.has_master and self.layout.trainable[c]
+        return self.layout.trainable[c]
+
+    def _from_owner(self, key, buf: torch.Tensor) -> torch.Tensor:
+        """Chunk ``key``'s values on the CPU: read here, or (another rank's) broadcast by its owner."""
+        kind, c = key
+        if self.sharding is None:
+            return self._read_or_zeros(key, buf)
+        if self.keeps(c):
+            chunk = self._read_or_zeros(key, buf)
+        else:
+            dtype = self.dtype if kind == "param" else torch.float32
+            chunk = torch.empty(self.layout.chunk_numel(c), dtype=dtype)
+        moved = chunk if self.comm_device.type == "cpu" else chunk.to(self.comm_device)
+        self.comms.wait(self.comms.broadcast(moved, self.sharding.owner(c)), f"gathering chunk {key}")
+        return moved if moved is chunk else moved.cpu()
 
     def _staging(self, kind: str) -> torch.Tensor:
         # One buffer per call, reused chunk after chunk: the values are cloned out of it, and

@@ -32,6 +32,7 @@ class StepPipeline:
         self.ready: set[int] = set()
         self.sumsq: dict[int, torch.Tensor] = {}
         self.window_applied = False
+        self.window_reduced = False     # data parallel: this window's gradients are with their owners
 
     # ---- optimizer --------------------------------------------------------------------------
     def attach_optimizer(self, optimizer) -> None:
@@ -90,7 +91,10 @@ class StepPipeline:
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients of this accumulation window."""
         # One device sync for all chunks, not one per chunk.
-        total = float(torch.stack(list(self.sumsq.values())).sum()) if self.sumsq else 0.0
+        local = torch.stack(list(self.sumsq.values())).sum().float() if self.sumsq else torch.zeros(())
+        if self.comms is not None:      # each rank holds its own chunks' part: one all-reduce
+            local = self.comms.all_reduce(local.reshape(1).to(self.comm_device)).cpu()
+        total = float(local.sum())
         norm = math.sqrt(total) if math.isfinite(total) else float("inf")
         return norm / self.scaler.scale if self.scaler is not None else norm
 
@@ -107,6 +111,13 @@ class StepPipeline:
                 self.params.detach(c)
         else:
             self.adam.drain()
+        if self.reducer is not None and not self.window_reduced and self.grad_chunks:
+            # No final micro-batch ran (step() came before the configured accumulation count):
+            # the gradients are still each rank's own. Every rank has some (the same chunks).
+            self.reducer.flush()
+            self.window_reduced = True
+        if self.gather is not None:
+            self.gather.drop_all()      # owners update their chunks now: borrowed copies go stale
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
         max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]

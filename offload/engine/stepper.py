@@ -131,6 +131,8 @@ class ChunkAdam:
 
     def prefetch(self, c: int) -> None:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
+        if not self.engine.params.keeps(c):
+            return      # another rank's chunk: its owner updates it
         kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)

@@ -327,7 +327,8 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
             chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, source))
         staging: dict[str, torch.Tensor] = {}
         for c in sorted(chunked):
-            _fill_chunk(engine, c, chunked[c], staging)
+            if engine.params.keeps(c):      # under several ranks, each fills the chunks it owns
+                _fill_chunk(engine, c, chunked[c], staging)
 
 
 def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:

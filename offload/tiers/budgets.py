@@ -51,6 +51,24 @@ def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int
     return (largest + 2 * chunk_elements) * (elem_bytes + 4)
 
 
+# Data parallel: parameter groups gathered at once (the window of 3 plus 1 prefetched), and
+# gradient groups being reduced at once (see offload.distributed.gather / reduce).
+GATHERED_GROUPS = 4
+REDUCING_GROUPS = 2
+
+
+def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_elements: int | None,
+                             world: int, grad_bytes: int = 4) -> int:
+    """``min_device_bytes`` under ``world`` ranks: each chunk in use brings its communication
+    group (one chunk per rank), so the window of gathered parameter groups and the gradient
+    groups being reduced hold ``world`` chunks each."""
+    largest = max(largest_elements or 0, chunk_elements)
+    one = min_device_bytes(chunk_elements, elem_bytes, largest_elements)
+    if world <= 1:
+        return one
+    return one + (world - 1) * largest * (GATHERED_GROUPS * elem_bytes + REDUCING_GROUPS * grad_bytes)
+
+
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:
     """The smallest CPU budget one chunk's update fits in: its fp32 gradient, master (when the
     compute dtype is not fp32), exp_avg and exp_avg_sq, and its parameters, pinned together

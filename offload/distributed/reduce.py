@@ -1,0 +1,117 @@
+"""Gradients to their owners: a communication group is reduce-scattered once all its chunks'
+gradients are complete, while backward goes on with earlier layers.
+
+Only the last micro-batch of an accumulation window reduces (``no_sync`` semantics: the others
+add into each rank's own gradient chunks). A group is reduced when every trainable chunk in it
+is complete on this rank, and at the end of backward (``flush``) the groups that never
+completed go too, with zeros for chunks that got no gradient, so every rank issues the same
+collectives in the same order. The owner averages its chunk (sum / N) and hands it to the
+engine's optimizer pipeline; the other ranks free theirs at once.
+
+At most ``max_in_flight`` groups are reduced at once: each holds N gradient chunks pinned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class GradReducer:
+    def __init__(self, engine, comms, *, max_in_flight: int = 2):
+        self.engine = engine
+        self.comms = comms
+        self.sharding = comms.sharding
+        self.store = engine.store
+        self.tier = engine.params.tier
+        self.max_in_flight = max(1, max_in_flight)
+        lay = engine.layout
+        self.trainable: dict[int, list[int]] = {}      # group -> its trainable chunks
+        for c in lay.trainable_chunks:
+            self.trainable.setdefault(self.sharding.group_of(c), []).append(c)
+        self.finished: dict[int, dict[int, object]] = {}  # group -> {chunk: pinned grad view}
+        self.issued: set[int] = set()
+        self.in_flight: deque = deque()
+
+    def chunk_finished(self, c: int, view) -> None:
+        """Chunk ``c``'s gradients on this rank are complete; ``view`` is its pinned grad chunk."""
+        g = self.sharding.group_of(c)
+        done = self.finished.setdefault(g, {})
+        done[c] = view
+        if len(done) == len(self.trainable[g]):
+            self._issue(g)
+
+    def flush(self) -> None:
+        """Reduce every group not reduced yet this window (zeros where a chunk got no gradient)
+        and wait for all of them."""
+        for g in sorted(set(self.trainable) - self.issued):
+            done = self.finished.setdefault(g, {})
+            for c in self.trainable[g]:
+                if c not in done:
+                    done[c] = self._grad_view(c)
+            self._issue(g)
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+        self.issued.clear()
+
+    def abort(self) -> None:
+        """A backward raised on this rank: let go of the gradient chunks held for reduction.
+        (The other ranks wait in the collectives this rank will not issue until they time out
+        or this process ends: see ``failure``.)"""
+        for done in self.finished.values():
+            for c in done:
+                self.store.release(("grad", c), self.tier, dirty=True)
+        self.finished.clear()
+        for _, chunks, _, _ in self.in_flight:
+            for c in chunks:
+                self.store.release(("grad", c), self.tier, dirty=True)
+        self.in_flight.clear()
+        self.issued.clear()
+
+    def _grad_view(self, c: int):
+        key = ("grad", c)
+        from ..chunks.states import ChunkState
+
+        if self.store.records[key].state is ChunkState.FREE:
+            self.store.initialize(key, self.tier)           # zeros: no gradient on this rank
+        return self.store.access(key, self.tier)
+
+    def _issue(self, g: int) -> None:
+        s = self.sharding
+        done = self.finished.pop(g)
+        chunks = sorted(done)
+        views = [done[c] for c in chunks]
+        self.issued.add(g)
+        try:
+            if len(chunks) == s.world and len({v.numel() for v in views}) == 1:
+                works = [self.comms.reduce_scatter(views[s.rank], views)]
+            else:   # a short group, frozen chunks in it, or an oversized chunk: one reduce each
+                works = [self.comms.reduce(v, s.owner(c)) for c, v in zip(chunks, views)]
+        except BaseException:
+            for c in chunks:
+                self.store.release(("grad", c), self.tier)
+            raise
+        self.in_flight.append((g, chunks, views, works))
+        while len(self.in_flight) > self.max_in_flight:
+            self._complete(self.in_flight.popleft())
+
+    def _complete(self, entry) -> None:
+        g, chunks, views, works = entry
+        try:
+            for work in works:
+                self.comms.wait(work, f"reduce-scatter of gradient chunks {chunks}")
+        except BaseException:
+            for c in chunks:
+                self.store.release(("grad", c), self.tier)
+            raise
+        engine = self.engine
+        for c, view in zip(chunks, views):
+            if self.sharding.owns(c):
+                with engine._on_compute():
+                    view.div_(self.sharding.world)      # the average, as DDP and FSDP give
+                engine._grad_chunk_ready(c, view, reduced=True)
+            else:
+                key = ("grad", c)
+                self.store.release(key, self.tier)
+                self.store.release_storage(key)
+                engine.grad_chunks.discard(c)
+                engine.sumsq.pop(c, None)

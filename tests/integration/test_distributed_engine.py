@@ -1,0 +1,155 @@
+"""ZeRO-3 data parallelism over real gloo process groups: N processes on this host train like one
+process on the same global batch.
+
+Each rank takes its 1/N slice of every global batch (losses are means, so the ranks' average
+gradient is the global batch's); the reference is plain PyTorch + ``torch.optim.AdamW`` on the
+whole batch. NVMe is forced (budgets far below the state), every chunk passes through every
+tier, and each rank owns a quarter to a half of the chunks.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+from dp_launch import launch  # noqa: E402
+from tiny_gpt import TinyGPT, batches  # noqa: E402
+
+WORKER = TESTS / "dp_worker.py"
+LR, WD = 1e-2, 0.1
+
+
+def config(tmp: Path, **kw) -> dict:
+    base = dict(device="cpu", dtype="fp32", device_budget="256KiB", cpu_budget="256KiB",
+                nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=4096)
+    base.update(kw)
+    return base
+
+
+def reference(steps, *, accumulate=1, clip=None, skip=(), batch=4, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = TinyGPT(checkpointing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    data = iter(batches(steps * accumulate, batch=batch))
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = model(x, y) / accumulate
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if step not in skip:
+            opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(tmp: Path, world: int, steps: int, **spec) -> list[dict]:
+    spec = {"steps": steps, "out": str(tmp / "result"), **spec}
+    spec.setdefault("config", config(tmp))
+    results = launch(WORKER, spec, world, tmp, timeout_s=spec.pop("launch_timeout_s", 300))
+    for r in results:
+        if r.returncode != 0:
+            pytest.fail(f"rank {r.rank} exited with {r.returncode}:\n{r.output[-3000:]}")
+    return [torch.load(tmp / f"result.rank{r}.pt") for r in range(world)]
+
+
+def mean_losses(out: list[dict]) -> list[float]:
+    return [sum(o["losses"][i] for o in out) / len(out) for i in range(len(out[0]["losses"]))]
+
+
+def assert_state_close(got: dict, want: dict, rtol: float, atol: float) -> None:
+    """Every parameter within ``atol`` + ``rtol``, but for a few elements per thousand whose
+    gradient is rounding noise (attention's softmax-invariant directions): Adam's normalized step
+    turns a different summation order (half-batch means averaged over ranks, against one
+    whole-batch mean) into differences up to ~lr/10 there, as it does between SIMD levels in one
+    process. Those may differ by up to 1e-3; a missed, doubled or unaveraged update moves every
+    element of a chunk by ~lr = 1e-2."""
+    for k, v in want.items():
+        diff = (got[k].float() - v.float()).abs()
+        off = diff > atol + rtol * v.float().abs()
+        assert off.sum() <= max(1, off.numel() // 1000) and diff.max() <= 1e-3, \
+            f"{k}: {int(off.sum())} of {off.numel()} elements differ, up to {float(diff.max()):.3g}"
+
+
+def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
+    want_losses, want_state = reference(10)
+    out = run(tmp_path, 2, 10)
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    for o in out:       # the state_dict gathers every chunk on every rank
+        assert_state_close(o["state"], want_state, rtol=1e-5, atol=1e-5)
+    stats = out[0]["stats"][-1]
+    assert stats["world_size"] == 2
+    coll = stats["collectives"]
+    assert coll["by_op"].get("all_gather", 0) + coll["by_op"].get("broadcast", 0) > 0
+    assert coll["by_op"].get("reduce_scatter", 0) + coll["by_op"].get("reduce", 0) > 0
+    # Each rank keeps its own chunks only: NVMe slots for about half of the state.
+    memory = [o["stats"][-1] for o in out]
+    assert all(m["step"] == 10 for m in memory)
+
+
+def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
+    want_losses, want_state = reference(6, accumulate=3)
+    out = run(tmp_path, 2, 6, accumulate=3,
+              config=config(tmp_path, gradient_accumulation_steps=3))
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_state_close(out[0]["state"], want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_global_norm_clipping_agrees_across_ranks(tmp_path):
+    want_losses, want_state = reference(8, clip=0.5)
+    out = run(tmp_path, 2, 8, clip=0.5)
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_state_close(out[1]["state"], want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Only rank 1's loss is inf at step 3: the reduced gradients carry it to both owners, the
+    all-reduced norm is not finite on both, and both skip the step and halve the scale."""
+    want_losses, _ = reference(8, skip={3})
+    out = run(tmp_path, 2, 8, overflow_at=3, overflow_rank=1,
+              config=config(tmp_path, dtype="fp16", initial_loss_scale=2.0**12))
+    for o in out:
+        assert o["skipped"] == 1 and o["step_count"] == 7
+        assert all(torch.isfinite(v).all() for v in o["state"].values())
+    got = [l for i, l in enumerate(mean_losses(out)) if i != 3]
+    want = [l for i, l in enumerate(want_losses) if i != 3]
+    assert got == pytest.approx(want, rel=3e-2)
+
+
+def test_bf16_trains_within_its_tolerance(tmp_path):
+    want_losses, _ = reference(8)
+    out = run(tmp_path, 2, 8, config=config(tmp_path, dtype="bf16"))
+    assert mean_losses(out) == pytest.approx(want_losses, rel=5e-2)
+
+
+def test_three_ranks_and_each_keeps_a_third_of_the_state_on_its_own_nvme(tmp_path):
+    want_losses, want_state = reference(4, batch=6)
+    out = run(tmp_path, 3, 4, batch=6, config=config(tmp_path, device_budget="512KiB"))
+    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_state_close(out[2]["state"], want_state, rtol=1e-5, atol=1e-5)
+    dirs = [tuple(o["nvme_dirs"]) for o in out]
+    assert len(set(dirs)) == 3 and all(str(tmp_path / f"nvme-{r}") in dirs[r] for r in range(3))
+    (tmp_path / "one").mkdir()
+    single = run(tmp_path / "one", 1, 1, batch=6, config=config(tmp_path / "one"))[0]["nvme_reserved"]
+    for o in out:       # about a third of one process's slots (chunks are dealt round-robin)
+        assert o["nvme_reserved"] < 0.5 * single
+
+
+def test_a_rank_failing_in_backward_ends_every_rank_with_an_error_naming_it(tmp_path):
+    results = launch(WORKER, {"steps": 6, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "fail_at": [1, 2], "timeout_s": 60}, 2, tmp_path, timeout_s=120)
+    assert all(r.returncode not in (0, None) for r in results), [(r.rank, r.returncode) for r in results]
+    assert "injected failure in backward" in results[1].output
+    line = next(l for l in results[0].output.splitlines() if l.startswith("RANK-ERROR"))
+    assert "DistributedError" in line and "rank 1" in line, line
