@@ -16,6 +16,7 @@ Ranks are spawned processes (``spawn`` context) on CPU with NVMe swap forced (sm
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -42,16 +43,16 @@ TOL = 1e-5
 def make_model():
     torch.manual_seed(0)
     layers = []
-    for _ in range(10):
+    for _ in range(36):
         layers += [torch.nn.Linear(32, 32), torch.nn.Tanh()]
     layers.append(torch.nn.Linear(32, 4))
     return torch.nn.Sequential(*layers)
 
 
 def config(tmp: Path, dtype: str = "fp32") -> offload.OffloadConfig:
-    # 2048-element chunks: about one Linear per chunk, several chunks per rank; small budgets
-    # put chunks on NVMe.
-    return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="48KiB", cpu_budget="32KiB",
+    # 2048-element chunks: about one Linear per chunk, 19 chunks, several per rank; budgets
+    # below the state (about 600 KiB in one process, 200 KiB per rank at 3) put chunks on NVMe.
+    return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="160KiB", cpu_budget="32KiB",
                                  nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=2048)
 
 
@@ -62,8 +63,6 @@ def global_batch(step: int):
 
 def train(model, opt, steps: range, rank: int, world: int) -> list[float]:
     """Local losses of ``steps``: this rank's slice of each global batch."""
-    if FAKE_DP:
-        rank, world = 0, 1
     per = GLOBAL_BATCH // world
     losses = []
     for step in steps:
@@ -77,30 +76,18 @@ def train(model, opt, steps: range, rank: int, world: int) -> list[float]:
     return losses
 
 
-FAKE_DP = os.environ.get("OFFLOAD_TEST_FAKE_DP") == "1"     # TEMPORARY, until the core lands
-
-
 def build(tmp: Path, dtype: str = "fp32"):
-    if FAKE_DP:
-        import torch.distributed as dist
-
-        import offload.api
-        from offload.distributed import Sharding
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        offload.api._refuse_data_parallel = lambda: None
-        cfg = config(tmp, dtype)
-        import dataclasses
-        cfg = dataclasses.replace(cfg, nvme_paths=[p.format(rank=rank) for p in cfg.nvme_paths])
-        model = offload.wrap(make_model(), cfg)
-        model.offload_engine.dp = Sharding(rank, world) if world > 1 else None
-        return model, offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     model = offload.wrap(make_model(), config(tmp, dtype))
     return model, offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
 
 def params_of(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def nvme_bytes(model) -> int:
+    report = model.offload_engine.store.memory_report()["tiers"]
+    return sum(report.get("nvme", {}).get("bytes_by_kind", {}).values())
 
 
 def scenario_train_and_save(tmp, rank, world, args):
@@ -110,10 +97,11 @@ def scenario_train_and_save(tmp, rank, world, args):
     done = 0
     for at in args.get("saves", [K]):
         losses += train(model, opt, range(done, at), rank, world)
+        nvme = nvme_bytes(model)
         paths.append(str(offload.save_checkpoint(model, opt, tmp / "ckpt", step=at, extra={"at": at})))
         done = at
     losses += train(model, opt, range(done, K + M), rank, world)
-    return {"losses": losses, "params": params_of(model), "paths": paths,
+    return {"losses": losses, "params": params_of(model), "paths": paths, "nvme": nvme,
             "dp": None if model.offload_engine.dp is None else model.offload_engine.dp.world}
 
 
@@ -123,8 +111,9 @@ def scenario_resume(tmp, rank, world, args):
         warnings.simplefilter("always")
         manifest = offload.load_checkpoint(model, opt, tmp / "ckpt")
     at = manifest["extra"]["at"]
+    nvme = nvme_bytes(model)
     losses = train(model, opt, range(at, K + M), rank, world)
-    return {"losses": losses, "params": params_of(model), "at": at, "skipped": manifest["skipped"],
+    return {"losses": losses, "nvme": nvme, "params": params_of(model), "at": at, "skipped": manifest["skipped"],
             "warnings": [str(w.message) for w in caught if issubclass(w.category, offload.checkpoint.CheckpointSkipped)]}
 
 
@@ -164,21 +153,8 @@ def scenario_hf_export(tmp, rank, world, args):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hf_models import tiny_llama
 
-    cfg = config(tmp, "bf16")
-    if FAKE_DP:
-        import dataclasses
-
-        import torch.distributed as dist
-
-        import offload.api
-        from offload.distributed import Sharding
-
-        offload.api._refuse_data_parallel = lambda: None
-        cfg = dataclasses.replace(cfg, nvme_paths=[p.format(rank=rank) for p in cfg.nvme_paths])
-    cfg = __import__("dataclasses").replace(cfg, device_budget="256KiB", cpu_budget="256KiB", chunk_size=4096)
+    cfg = dataclasses.replace(config(tmp, "bf16"), device_budget="256KiB", cpu_budget="256KiB", chunk_size=4096)
     model = offload.wrap(tiny_llama(), cfg)
-    if FAKE_DP:
-        model.offload_engine.dp = Sharding(rank, world) if world > 1 else None
     out = tmp / f"hf-{args['label']}"
     export_pretrained(model, out, max_shard_size="40KB")                    # bf16: the param chunks
     export_pretrained(model, tmp / f"hf32-{args['label']}", max_shard_size="40KB", dtype="fp32")  # the masters
@@ -279,6 +255,7 @@ def saved():
 def test_two_ranks_save_one_sharded_checkpoint(saved):
     tmp, results = saved
     assert all(r["dp"] == 2 for r in results), "the engine did not shard over the 2-rank group"
+    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe when saved"
     ckpt = tmp / "ckpt" / f"step-{K:08d}"
     assert results[0]["paths"] == results[1]["paths"] == [str(ckpt)]
     assert (tmp / "ckpt" / "latest").read_text().strip() == ckpt.name
@@ -299,6 +276,7 @@ def test_resume_at_any_world_size_continues_the_two_rank_run(saved, world):
     tmp, reference = saved
     results = ok(run("resume", tmp, world))
     assert all(r["at"] == K and not r["skipped"] for r in results)
+    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe after loading"
     torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
     for r in results:
         assert_params_equal(r["params"], reference[0]["params"])
