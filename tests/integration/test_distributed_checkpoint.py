@@ -32,6 +32,7 @@ import offload
 import offload.checkpoint
 import offload.checkpoint.format
 
+pytestmark = pytest.mark.slow
 TIMEOUT = 110            # seconds for all ranks of one run
 GLOBAL_BATCH = 12        # divisible by 1, 2 and 3 ranks
 K, M = 3, 3              # steps before the checkpoint, after it
@@ -117,6 +118,21 @@ def scenario_resume(tmp, rank, world, args):
             "warnings": [str(w.message) for w in caught if issubclass(w.category, offload.checkpoint.CheckpointSkipped)]}
 
 
+def scenario_reload(tmp, rank, world, args):
+    """Save at K, train M steps, (``args["eval"]``: an evaluation pass, which leaves gathered groups
+    in the window), then load the checkpoint back into the same model and train the M steps again."""
+    model, opt = build(tmp)
+    train(model, opt, range(K), rank, world)
+    offload.save_checkpoint(model, opt, tmp / "ckpt", step=K, extra={"at": K})
+    first = train(model, opt, range(K, K + M), rank, world)
+    if args.get("eval"):
+        with torch.no_grad():
+            model(global_batch(0)[0][:GLOBAL_BATCH // world])
+    offload.load_checkpoint(model, opt, tmp / "ckpt")
+    again = train(model, opt, range(K, K + M), rank, world)
+    return {"first": first, "again": again}
+
+
 def scenario_failing_save(tmp, rank, world, args):
     """A checkpoint at K, then one at K+1 during which rank ``args["bad"]``'s writes fail."""
     import offload.checkpoint.files as files
@@ -162,7 +178,7 @@ def scenario_hf_export(tmp, rank, world, args):
 
 
 SCENARIOS = {f.__name__[len("scenario_"):]: f for f in
-             (scenario_train_and_save, scenario_resume, scenario_failing_save, scenario_export, scenario_hf_export)}
+             (scenario_train_and_save, scenario_resume, scenario_reload, scenario_failing_save, scenario_export, scenario_hf_export)}
 
 
 def _worker(rank: int, world: int, port: int, name: str, tmp: str, args: dict) -> None:
@@ -280,6 +296,13 @@ def test_resume_at_any_world_size_continues_the_two_rank_run(saved, world):
     torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
     for r in results:
         assert_params_equal(r["params"], reference[0]["params"])
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_loading_into_a_trained_model_replaces_its_state(disk_tmp, evaluate):
+    results = ok(run("reload", disk_tmp, 2, eval=evaluate))
+    for r in results:
+        torch.testing.assert_close(r["again"], r["first"], atol=TOL, rtol=0)
 
 
 def test_corrupt_shard_falls_back_on_every_rank(disk_tmp):
