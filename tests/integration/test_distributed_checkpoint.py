@@ -234,9 +234,9 @@ def run(name: str, tmp: Path, world: int, **args) -> list[dict]:
 
 
 def ok(results: list[dict]) -> list[dict]:
-    for r, res in enumerate(results):
-        if "error" in res:
-            pytest.fail(f"rank {r}: {res['error']}\n{res['traceback']}")
+    failed = [f"rank {r}: {res['error']}\n{res['traceback']}" for r, res in enumerate(results) if "error" in res]
+    if failed:
+        pytest.fail("\n".join(failed))
     return [res["ok"] for res in results]
 
 
