@@ -20,6 +20,8 @@ import dataclasses
 import datetime
 import os
 import socket
+import subprocess
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -33,6 +35,7 @@ import offload.checkpoint
 import offload.checkpoint.format
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 110            # seconds for all ranks of one run
 GLOBAL_BATCH = 12        # divisible by 1, 2 and 3 ranks
 K, M = 3, 3              # steps before the checkpoint, after it
@@ -284,7 +287,12 @@ def test_two_ranks_save_one_sharded_checkpoint(saved):
     assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "rank-00000", "rank-00001"]
     verdict = offload.checkpoint.verify_checkpoint(ckpt)
     assert verdict.ok, verdict.problems
-    assert verdict.files == 2 * len(manifest["kinds"])
+    assert verdict.files == 2 * len(manifest["kinds"]) and verdict.world == 2
+    assert verdict.chunks == sum(e is not None for info in manifest["kinds"].values() for e in info["chunks"])
+    cli = subprocess.run([sys.executable, "-m", "offload", "checkpoint", "verify", str(tmp / "ckpt")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cli.returncode == 0, cli.stderr
+    assert f"ok       {ckpt.name}" in cli.stdout and "of 2 ranks" in cli.stdout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
