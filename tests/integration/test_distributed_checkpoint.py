@@ -54,8 +54,8 @@ def make_model():
 
 
 def config(tmp: Path, dtype: str = "fp32") -> offload.OffloadConfig:
-    # 2048-element chunks: about one Linear per chunk, 19 chunks, several per rank; budgets
-    # below the state (about 600 KiB in one process, 200 KiB per rank at 3) put chunks on NVMe.
+    # 2048-element chunks: one Linear per chunk, 36 chunks, several per rank; budgets
+    # below the state (about 1.1 MiB in one process, 380 KiB per rank at 3) put chunks on NVMe.
     return offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="160KiB", cpu_budget="32KiB",
                                  nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=2048)
 
