@@ -30,6 +30,7 @@ import torch
 
 from .checkpoint import persistent_buffers, write_file_atomic
 from .errors import ConfigError, OffloadError
+from .export_chunks import ChunkSource
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = 2 << 30
@@ -119,13 +120,15 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     ``expand(name, shape) -> [(name, shape, pick)] | None``: write one tensor (after ``rename``) as
     several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
     tensor per expert; None: as it is.
+    Under data parallelism every rank calls it with the same arguments; rank 0 writes the files
+    (chunks come to it from their owners one at a time: ``offload.export_chunks``), the others
+    return once they are written; an error on any rank raises on all.
     """
     engine = getattr(model, "offload_engine", None)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError("max_shard_bytes", max_shard_bytes, "must be a positive number of bytes")
     out_dtype = _dtype(dtype)
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
     entries: list[_Entry] = []
     if engine is not None:
         engine.adam.drain()
@@ -163,14 +166,37 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
         entries = expanded
     shards = _plan(entries, max_shard_bytes)
     n = len(shards)
-    meta = {"format": "pt", **(metadata or {})}
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    chunks = None if engine is None else ChunkSource(engine, source)
+    if chunks is not None and not chunks.ranks.lead:
+        chunks.follow(_chunk_order(shards))      # rank 0 writes; this rank serves the chunks it keeps
+        return [root / f for f in names]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_shards(shards, names, root, {"format": "pt", **(metadata or {})}, chunks, transform)
+    except Exception as exc:
+        if chunks is None:
+            raise
+        chunks.fail(exc)
+    if chunks is not None:
+        chunks.finish()
+    return [root / f for f in names]
+
+
+def _chunk_order(shards: list[list[_Entry]]) -> list[int]:
+    """The chunks ``_write_shards`` reads, in its order (each run of one chunk's tensors reads it once)."""
+    order, last = [], None
+    for shard in shards:
+        for e in shard:
+            if e.slot is not None and e.slot.chunk != last:
+                last = e.slot.chunk
+                order.append(last)
+    return order
+
+
+def _write_shards(shards, names, root: Path, meta: dict, chunks, transform) -> None:
     weight_map, total = {}, 0
     cache: tuple[int, torch.Tensor] | None = None
-    staging = None
-    if engine is not None:
-        store = engine.store
-        staging = store.staging_buffers(max(store.largest_bytes(source), store.largest_bytes("param")), count=1)[0]
     for shard, fname in zip(shards, names):
         path = root / fname
         tmp = root / f".{fname}.tmp-{os.getpid()}"
@@ -182,8 +208,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                         c = e.slot.chunk
                         if cache is None or cache[0] != c:
                             # A frozen chunk has no master: its parameters are its values.
-                            key = (source, c) if (source, c) in engine.store.records else ("param", c)
-                            cache = (c, engine.store.read_into(key, staging))
+                            cache = (c, chunks.read(c))
                         value = cache[1][e.slot.offset:e.slot.end]
                     else:
                         value = e.buffer.detach().to("cpu").reshape(-1)
@@ -206,7 +231,6 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     for old in root.iterdir():              # shards of an earlier export with another shard count
         if _SHARD.match(old.name) and old.name not in names:
             old.unlink()
-    return [root / f for f in names]
 
 
 # ---- load ------------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ A checkpoint directory holds::
     optimizer_state.pt     optimizer state of parameters the engine does not own (only if any)
     extra.pt               ``extra`` when it is not JSON-serializable
 
+Under data parallelism (N ranks, ``engine.dp``) the chunk files are per rank -- ``rank-0000r/param.bin``
+and so on, each holding the chunks rank r owns (``c % N == r``) -- and the manifest (version 2)
+records ``"world": N``, each kind's ``files`` (one per rank) and each chunk entry's ``rank``; the
+files written once (buffers, optimizer state, ``extra``) come from rank 0. Any world size loads
+it: rank r of M reads chunk c (``c % M == r``) from the file of old rank ``c % N``. All ranks
+must share the filesystem the checkpoint root is on.
+
 Gradients are not saved: a checkpoint is taken between ``optimizer.step()`` and the next
 backward, and loading leaves a clean accumulation window.
 
@@ -41,11 +48,12 @@ check every checksum without a model.
 
 Modules: ``format`` (names, manifest, checksums), ``files`` (durable writes, stale temp dirs),
 ``listing`` (which checkpoints exist, in which order a resume tries them), ``model_state``
-(the model and optimizer side), ``saving``, ``loading``, ``verify``.
+(the model and optimizer side), ``ranks`` (which rank keeps what, and how ranks agree),
+``compat`` (does a checkpoint fit the model), ``saving``, ``loading``, ``verify``.
 """
 
 from .files import SYNC_EVERY, write_file_atomic
-from .format import FORMAT, LATEST, MANIFEST, SAVED_KINDS, VERSION
+from .format import FORMAT, LATEST, MANIFEST, SAVED_KINDS, SHARDED_VERSION, VERSION
 from .listing import candidates, list_checkpoints, resolve_checkpoint
 from .loading import CheckpointSkipped, load_checkpoint, resume
 from .model_state import persistent_buffers
@@ -53,7 +61,7 @@ from .saving import save_checkpoint
 from .verify import Verdict, verify_checkpoint, verify_root
 
 __all__ = [
-    "FORMAT", "LATEST", "MANIFEST", "SAVED_KINDS", "SYNC_EVERY", "VERSION",
+    "FORMAT", "LATEST", "MANIFEST", "SAVED_KINDS", "SHARDED_VERSION", "SYNC_EVERY", "VERSION",
     "CheckpointSkipped", "Verdict",
     "candidates", "list_checkpoints", "load_checkpoint", "persistent_buffers", "resolve_checkpoint",
     "resume", "save_checkpoint", "verify_checkpoint", "verify_root", "write_file_atomic",

@@ -12,7 +12,9 @@ import torch
 from ..errors import ChecksumError, OffloadError
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 1            # what a single process writes
+SHARDED_VERSION = 2    # written by several ranks: per-rank chunk files (``files``, an entry's ``rank``)
+VERSIONS = (VERSION, SHARDED_VERSION)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")   # grads are never saved
@@ -79,9 +81,9 @@ def read_manifest(ckpt: Path) -> dict:
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise OffloadError(f"checkpoint manifest {ckpt / MANIFEST} cannot be read: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") not in VERSIONS:
         got = manifest if not isinstance(manifest, dict) else manifest.get("format")
-        raise OffloadError(f"{ckpt / MANIFEST}: not an {FORMAT} version {VERSION} manifest "
+        raise OffloadError(f"{ckpt / MANIFEST}: not an {FORMAT} version {' or '.join(map(str, VERSIONS))} manifest "
                            f"(format {got!r}, version "
                            f"{manifest.get('version') if isinstance(manifest, dict) else None!r})")
     if MANIFEST_CRC in manifest:          # absent in checkpoints of older versions
@@ -112,16 +114,42 @@ def entry_bytes(info: dict, entry: dict) -> int:
     return int(entry.get("nbytes", info["chunk_bytes"]))
 
 
-def check_kind_file_size(ckpt: Path, kind: str, info: dict) -> None:
-    """The chunk file of ``kind`` holds exactly the chunks the manifest lists (else truncated)."""
-    path = ckpt / info["file"]
-    stored = sum(1 for e in info["chunks"] if e is not None)
-    expected = sum(entry_bytes(info, e) for e in info["chunks"] if e is not None)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise OffloadError(f"checkpoint file {path} is missing: {exc}") from exc
-    if size != expected:
-        raise ChecksumError(str(path), size, expected,
-                            f"file holds {size} bytes, the manifest says {stored} chunks of "
-                            f"{expected} bytes in all (truncated or overwritten)")
+def entry_file(info: dict, entry: dict) -> str:
+    """The file (relative to the checkpoint) holding one saved chunk: the kind's one ``file``, or
+    in a sharded checkpoint the ``files[rank]`` of the rank that wrote it."""
+    if "rank" in entry:
+        return info["files"][int(entry["rank"])]
+    return info["file"]
+
+
+def kind_files(info: dict) -> list[str]:
+    """Every chunk file of one kind (one per rank in a sharded checkpoint)."""
+    return list(info["files"]) if "files" in info else [info["file"]]
+
+
+def entry_rank(entry: dict) -> int:
+    """The rank whose files hold a saved chunk (0 in a single process's checkpoint)."""
+    return int(entry.get("rank", 0))
+
+
+def check_kind_file_size(ckpt: Path, kind: str, info: dict, files: list[str] | None = None) -> None:
+    """Each chunk file of ``kind`` (``files``: only those) holds exactly the chunks the manifest
+    lists in it (else it is truncated or overwritten)."""
+    expected = {f: [0, 0] for f in kind_files(info)}
+    for e in info["chunks"]:
+        if e is not None:
+            count = expected[entry_file(info, e)]
+            count[0] += 1
+            count[1] += entry_bytes(info, e)
+    for name, (stored, nbytes) in expected.items():
+        if files is not None and name not in files:
+            continue
+        path = ckpt / name
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise OffloadError(f"checkpoint file {path} is missing: {exc}") from exc
+        if size != nbytes:
+            raise ChecksumError(str(path), size, nbytes,
+                                f"file holds {size} bytes, the manifest says {stored} chunks of "
+                                f"{nbytes} bytes in all (truncated or overwritten)")

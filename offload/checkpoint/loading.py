@@ -12,6 +12,13 @@ and falling back would hide it.
 Small files (optimizer state, buffers, ``extra``) are read and verified before anything in
 the model changes; chunks are verified as they stream in, so a mismatch there leaves the
 model partly loaded -- and the next candidate then overwrites every chunk.
+
+Several ranks (``engine.dp``): every rank calls it; rank 0 lists the candidates, each rank
+loads the chunks it keeps at the current world size (``c % M == r``), whichever rank's files
+of the saving run hold them, so a checkpoint of N ranks loads at any M (1 without a process
+group included). After each candidate the ranks compare outcomes: if any rank found it
+damaged, every rank skips it; a mismatch or an engine failure on any rank makes every rank
+raise. So all ranks always end on the same checkpoint.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ import torch
 
 from ..chunks.states import ChunkState
 from ..errors import ChecksumError, ConfigError, OffloadError
-from .format import DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, checksum, entry_bytes, read_checked_file, read_manifest
+from .compat import check_compatible
+from .format import DTYPES, checksum, entry_bytes, entry_file, read_checked_file, read_manifest
 from .listing import candidates
-from .model_state import engine_of, layout_entries, persistent_buffers, pipelined, restore_hypers
+from .model_state import engine_of, persistent_buffers, pipelined, restore_hypers
+from .ranks import PeerFailed, Ranks, peer_error, report
 
 
 class CheckpointSkipped(UserWarning):
@@ -60,30 +69,51 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     checkpoints that did not verify (``step=None`` on a root only; see the module docstring).
     When none verifies, the newest one's error is raised (``ChecksumError`` names file, chunk
     and offset) and the model's state is then partly loaded (load another checkpoint).
+    Under data parallelism every rank calls it, at any world size (see the module docstring).
     """
     engine = engine_of(model)
-    if optimizer is not None and engine.optimizer is not None and optimizer is not engine.optimizer:
-        raise ConfigError("optimizer", type(optimizer).__name__, "is not the optimizer attached to this model")
-    tried = candidates(directory, step)
+    ranks = Ranks.of(engine)
+    error, found = None, None
+    try:
+        if optimizer is not None and engine.optimizer is not None and optimizer is not engine.optimizer:
+            raise ConfigError("optimizer", type(optimizer).__name__, "is not the optimizer attached to this model")
+        if ranks.lead:
+            found = [str(p) for p in candidates(directory, step)]
+    except Exception as exc:
+        error = exc
+    tried = [Path(p) for p in ranks.settle(error, f"finding a checkpoint in {directory}", found)[0]]
     skipped: list[dict] = []
     first_error: BaseException | None = None
     for i, ckpt in enumerate(tried):
+        manifest, failure = None, None
         try:
-            manifest = _load_one(engine, optimizer, ckpt)
-        except _EngineFailure as failure:
-            raise failure.original
-        except ConfigError:
-            raise
+            manifest = _load_one(engine, optimizer, ckpt, ranks)
+        except _EngineFailure as exc:
+            failure = ("fatal", exc.original)
+        except ConfigError as exc:
+            failure = ("fatal", exc)
         except OffloadError as exc:
-            if first_error is None:
-                first_error = exc
-            skipped.append({"path": str(ckpt), "reason": str(exc)})
-            if i + 1 < len(tried):
-                warnings.warn(f"checkpoint {ckpt} skipped: {exc}; trying the older {tried[i + 1].name}",
-                              CheckpointSkipped, stacklevel=2)
-            continue
-        manifest["skipped"] = skipped
-        return manifest
+            failure = ("skip", exc)
+        except Exception as exc:            # a bug or an unexpected error: every rank stops
+            failure = ("fatal", exc)
+        outcomes = ranks.gather(None if failure is None else (failure[0], report(failure[1])))
+        fatal = [(r, o[1]) for r, o in enumerate(outcomes) if o is not None and o[0] == "fatal"]
+        if fatal:
+            if failure is not None and failure[0] == "fatal":
+                raise failure[1]
+            raise peer_error(fatal[0][0], fatal[0][1], f"loading checkpoint {ckpt}")
+        bad = [(r, o[1]) for r, o in enumerate(outcomes) if o is not None]
+        if not bad:
+            manifest["skipped"] = skipped
+            return manifest
+        reason = bad[0][1][1] if not ranks.sharded else f"{bad[0][1][1]} (rank {bad[0][0]})"
+        if first_error is None:
+            first_error = failure[1] if failure is not None else PeerFailed(f"checkpoint {ckpt} does not verify on "
+                                                                            f"rank {bad[0][0]}: {bad[0][1][1]}")
+        skipped.append({"path": str(ckpt), "reason": reason})
+        if i + 1 < len(tried):
+            warnings.warn(f"checkpoint {ckpt} skipped: {reason}; trying the older {tried[i + 1].name}",
+                          CheckpointSkipped, stacklevel=2)
     raise first_error
 
 
@@ -99,18 +129,18 @@ def resume(model, optimizer, directory: str | os.PathLike, *, say=None) -> dict:
     return manifest
 
 
-def _load_one(engine, optimizer, ckpt: Path) -> dict:
+def _load_one(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
     try:
-        return _load_verified(engine, optimizer, ckpt)
+        return _load_verified(engine, optimizer, ckpt, ranks)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise OffloadError(f"checkpoint {ckpt} has a malformed manifest ({type(exc).__name__}: {exc})") from exc
 
 
-def _load_verified(engine, optimizer, ckpt: Path) -> dict:
+def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
     manifest = read_manifest(ckpt)
-    check_compatible(engine, manifest, ckpt)
+    check_compatible(engine, manifest, ckpt, ranks)
     algorithm = manifest["checksum"]
 
     def small(entry):
@@ -131,8 +161,11 @@ def _load_verified(engine, optimizer, ckpt: Path) -> dict:
 
     _on_engine(engine.adam.drain)
     _on_engine(engine.zero_grad)             # a clean window: no gradients, nothing applied
+    gather = getattr(engine, "gather", None)
+    if gather is not None:                   # other ranks' chunks gathered here go stale now
+        _on_engine(gather.drop_all)
     t0 = time.perf_counter()
-    _load_chunks(engine, manifest, ckpt, algorithm)
+    _load_chunks(engine, manifest, ckpt, algorithm, ranks)
     read_s = time.perf_counter() - t0
     engine.adam.steps[:] = [int(s) for s in manifest["adam_steps"]]
     engine.step_count = int(manifest["engine_step_count"])
@@ -187,62 +220,13 @@ def read_chunk(fd: int, path: Path, kind: str, c: int, entry: dict, nbytes: int,
     return view
 
 
-def check_compatible(engine, manifest: dict, ckpt: Path) -> None:
-    lay = manifest["layout"]
-    if manifest["dtype"] != engine.config.dtype:
-        raise ConfigError("dtype", engine.config.dtype, f"the checkpoint {ckpt} was saved with dtype "
-                                                        f"{manifest['dtype']!r}")
-    saved = {e[0]: e for e in lay["params"]}
-    mine = {e[0]: e for e in layout_entries(engine)}
-    for name, e in mine.items():
-        if name not in saved:
-            raise ConfigError("parameter", name, f"is not in the checkpoint {ckpt}")
-        s = saved[name]
-        if s[4] != e[4]:
-            raise ConfigError("parameter", name, f"has shape {tuple(e[4])} but {tuple(s[4])} in the checkpoint {ckpt}")
-        if s[1:4] != e[1:4]:
-            raise ConfigError("parameter", name, f"sits at chunk {e[1]} offset {e[2]} but at chunk {s[1]} "
-                                                 f"offset {s[2]} in the checkpoint {ckpt} (a different chunk "
-                                                 f"layout: use the same chunk_size and parameter order)")
-    extra = sorted(set(saved) - set(mine))
-    if extra:
-        raise ConfigError("parameter", extra[0], f"is in the checkpoint {ckpt} but not in the model "
-                                                 f"({len(extra)} such)")
-    if lay["chunk_size"] != engine.layout.chunk_size or lay["num_chunks"] != engine.layout.num_chunks:
-        raise ConfigError("chunk_size", engine.layout.chunk_size,
-                          f"the checkpoint {ckpt} has {lay['num_chunks']} chunks of {lay['chunk_size']} elements")
-    if len(manifest["adam_steps"]) != len(engine.adam.steps):
-        raise OffloadError(f"{ckpt / MANIFEST}: {len(manifest['adam_steps'])} step counts for "
-                           f"{len(engine.adam.steps)} parameters")
-    store = engine.store
-    for kind, info in manifest["kinds"].items():
-        recs = {c: r for (k, c), r in store.records.items() if k == kind}
-        if not recs:
-            raise ConfigError("kind", kind, f"the checkpoint {ckpt} has {kind!r} chunks this model does not")
-        rec = next(iter(recs.values()))
-        bulk = engine.layout.chunk_size * rec.dtype.itemsize
-        if DTYPES.get(info["dtype"]) != rec.dtype or info["chunk_bytes"] != bulk:
-            raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info['chunk_bytes']} bytes in the "
-                                            f"checkpoint {ckpt}, {rec.dtype} of {bulk} in the model")
-        if len(info["chunks"]) != engine.layout.num_chunks:
-            raise OffloadError(f"{ckpt / MANIFEST}: {len(info['chunks'])} {kind} chunk entries, expected "
-                               f"{engine.layout.num_chunks}")
-        for c, entry in enumerate(info["chunks"]):
-            if entry is not None and (c not in recs or entry_bytes(info, entry) != recs[c].nbytes):
-                raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
-                                                "model's (a different chunk layout or set of frozen parameters)")
-        check_kind_file_size(ckpt, kind, info)
-    registered = {k for k, _ in store.records}
-    for kind in SAVED_KINDS:
-        if kind in registered and kind not in manifest["kinds"]:
-            raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
-
-
-def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
+def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str, ranks: Ranks) -> None:
     store = engine.store
     items: list[tuple[str, int, dict]] = []
     for kind, info in manifest["kinds"].items():
         for c, entry in enumerate(info["chunks"]):
+            if not ranks.keeps(c):
+                continue            # another rank's (its parameters here are only ever transient)
             if entry is None:
                 rec = store.records.get((kind, c))
                 if rec is not None and rec.state is not ChunkState.FREE:
@@ -256,12 +240,13 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
     def fetch(i):
         kind, c, entry = items[i]
         info = manifest["kinds"][kind]
-        if kind not in files:
+        name = entry_file(info, entry)
+        if name not in files:
             try:
-                files[kind] = open(ckpt / info["file"], "rb", buffering=0)
+                files[name] = open(ckpt / name, "rb", buffering=0)
             except OSError as exc:
-                raise OffloadError(f"checkpoint file {ckpt / info['file']} cannot be read: {exc}") from exc
-        view = read_chunk(files[kind].fileno(), ckpt / info["file"], kind, c, entry, entry_bytes(info, entry),
+                raise OffloadError(f"checkpoint file {ckpt / name} cannot be read: {exc}") from exc
+        view = read_chunk(files[name].fileno(), ckpt / name, kind, c, entry, entry_bytes(info, entry),
                           bufs[i % 2], algorithm)
         return view.view(DTYPES[info["dtype"]])
 

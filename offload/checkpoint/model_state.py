@@ -94,6 +94,19 @@ def foreign_optimizer_state(optimizer, engine) -> dict[int, dict]:
     return out
 
 
+def model_kinds(engine) -> dict[str, torch.dtype]:
+    """The saved kinds the model has, with their dtypes, whichever chunks this rank keeps: the
+    parameters always; when some chunk is trainable, its Adam moments and (compute dtype not
+    fp32) its fp32 master. Mirrors what the engine registers; the same at every world size."""
+    kinds = {"param": engine.params.dtype}
+    if engine.layout.trainable_chunks:
+        if engine.params.has_master:
+            kinds["master"] = torch.float32
+        kinds["exp_avg"] = torch.float32
+        kinds["exp_avg_sq"] = torch.float32
+    return kinds
+
+
 def layout_entries(engine) -> list[list]:
     return [[s.name, s.chunk, s.offset, s.numel, list(s.shape)] for s in engine.layout.slots]
 

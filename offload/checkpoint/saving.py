@@ -1,5 +1,14 @@
-"""Writing a checkpoint: chunks streamed from every tier into one file per kind, the manifest
-last, the whole directory renamed into place."""
+"""Writing a checkpoint: chunks streamed from every tier into one file per kind (per kind and
+rank under data parallelism), the manifest last, the whole directory renamed into place.
+
+Several ranks (``engine.dp``): every rank calls ``save_checkpoint``; rank 0 makes the temp
+directory, each rank writes the chunks it owns into ``rank-0000r/`` of it and fsyncs them,
+rank 0 then writes the manifest (chunk -> rank's file), the files written once (buffers,
+optimizer state, ``extra``), renames the directory into place and moves ``latest`` -- only
+after every rank reported its files durable. A failure on any rank makes every rank raise
+(``ranks.Ranks.settle``) and leaves the previous checkpoint current. All ranks must see one
+shared filesystem at ``directory``.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +23,12 @@ import torch
 from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
-from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SAVED_KINDS, VERSION, checksum, checksum_algorithm,
-                     checksum_bytes, manifest_bytes, step_name)
+from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SHARDED_VERSION, VERSION, checksum,
+                     checksum_algorithm, checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
-from .model_state import engine_of, foreign_optimizer_state, group_hypers, layout_entries, persistent_buffers, pipelined
+from .model_state import (engine_of, foreign_optimizer_state, group_hypers, layout_entries, model_kinds,
+                          persistent_buffers, pipelined)
+from .ranks import Ranks, shard_dir
 
 
 def torch_save_checked(obj, path: Path, algorithm: str) -> dict:
@@ -36,9 +47,53 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     an LR scheduler's ``state_dict()``) comes back from ``load_checkpoint`` as ``manifest["extra"]``.
     ``keep``: after a successful save, delete all but the newest ``keep`` checkpoints.
     Call it between ``optimizer.step()`` and the next backward; ``optimizer`` may be None (then no
-    hyper-parameters are saved; the engine's Adam state still is).
+    hyper-parameters are saved; the engine's Adam state still is). Under data parallelism every
+    rank calls it with the same arguments (rank 0's ``step``, ``extra`` and ``keep`` are used), on
+    a filesystem all ranks share; it returns on every rank once the checkpoint is in place.
     """
     engine = engine_of(model)
+    ranks = Ranks.of(engine)
+    error, plan = None, None
+    try:
+        step = _check_ready(engine, optimizer, step, keep)
+        if ranks.lead:
+            plan = (str(_prepare(Path(directory), step_name(step))), checksum_algorithm(), step)
+    except Exception as exc:
+        error = exc
+    try:
+        tmp, algorithm, step = ranks.settle(error, f"preparing checkpoint {directory}", plan)[0]
+    except BaseException:
+        if plan is not None:
+            shutil.rmtree(plan[0], ignore_errors=True)
+        raise
+    tmp, root = Path(tmp), Path(directory)
+    t0 = time.perf_counter()
+    error, written = None, None
+    try:
+        where = tmp / shard_dir(ranks.rank) if ranks.sharded else tmp
+        where.mkdir(exist_ok=True)
+        written = _write_chunks(engine, where, ranks, algorithm)
+        fsync_dir(where)
+    except Exception as exc:
+        error = exc
+    try:
+        shards = ranks.settle(error, f"writing its chunks of checkpoint {root / step_name(step)}", written)
+    except BaseException:
+        if ranks.lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    error, final = None, None
+    if ranks.lead:
+        try:
+            final = _commit(engine, optimizer, root, tmp, step, extra, keep, algorithm, ranks, shards, t0)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = exc
+    return Path(ranks.settle(error, f"committing checkpoint {root / step_name(step)}",
+                             None if final is None else str(final))[0])
+
+
+def _check_ready(engine, optimizer, step, keep) -> int:
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ConfigError("keep", keep, "must be a positive integer or None")
     engine.adam.drain()
@@ -50,21 +105,29 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     step = engine.step_count if step is None else int(step)
     if step < 0:
         raise ConfigError("step", step, "must be >= 0")
-    root = Path(directory)
+    return step
+
+
+def _prepare(root: Path, name: str) -> Path:
+    """A fresh temp directory for checkpoint ``name`` under ``root`` (rank 0 only)."""
     root.mkdir(parents=True, exist_ok=True)
     clean_stale(root)
-    name = step_name(step)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    try:
-        manifest = _write_contents(engine, optimizer, tmp, step, extra)
-        write_file_atomic(tmp / MANIFEST, manifest_bytes(manifest))
-        fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def _commit(engine, optimizer, root: Path, tmp: Path, step: int, extra, keep, algorithm: str,
+            ranks: Ranks, shards: list[dict], t0: float) -> Path:
+    """Rank 0, every rank's chunks durable in ``tmp``: the manifest, the files written once, the
+    rename into place, ``latest``, ``keep``."""
+    name = step_name(step)
+    manifest = _manifest(engine, optimizer, tmp, step, extra, algorithm, _merge(engine, ranks, shards))
+    manifest["write_s"] = time.perf_counter() - t0
+    write_file_atomic(tmp / MANIFEST, manifest_bytes(manifest))
+    fsync_dir(tmp)
     final = root / name
     trash = None
     if final.exists():
@@ -82,24 +145,22 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     return final
 
 
-def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
+def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
+    """Write the chunks this rank keeps, one file per kind in ``where``; returns
+    ``{kind: {chunk: entry}}`` (entries: offset, checksum, ``nbytes`` when not the bulk size)."""
     store, layout = engine.store, engine.layout
-    algorithm = checksum_algorithm()
-    t0 = time.perf_counter()
-    kinds = {}
+    kinds = model_kinds(engine)
     items: list[tuple[str, int]] = []
-    for kind in SAVED_KINDS:
+    for kind in kinds:
         # Frozen chunks have no master or optimizer state; a chunk not of the bulk size (an
         # oversized parameter's, a class's last) says its own ``nbytes`` in its entry.
-        recs = {c: store.records[(kind, c)] for c in range(layout.num_chunks) if (kind, c) in store.records}
-        if not recs:
-            continue
-        rec0 = next(iter(recs.values()))
-        kinds[kind] = {"file": f"{kind}.bin", "dtype": DTYPE_NAMES[rec0.dtype],
-                       "chunk_bytes": layout.chunk_size * rec0.dtype.itemsize,
-                       "chunks": [None] * layout.num_chunks}
-        items += [(kind, c) for c, rec in recs.items() if rec.state is not ChunkState.FREE]
-    bufs = store.staging_buffers(max((store.largest_bytes(kind) for kind in kinds), default=0))
+        for c in range(layout.num_chunks):
+            rec = store.records.get((kind, c))
+            if rec is not None and ranks.keeps(c) and rec.state is not ChunkState.FREE:
+                items.append((kind, c))
+    entries: dict[str, dict[int, dict]] = {kind: {} for kind in kinds}
+    bulk = {kind: layout.chunk_size * dtype.itemsize for kind, dtype in kinds.items()}
+    bufs = store.staging_buffers(max((store.largest_bytes(kind) for kind, _ in items), default=0))
     writers: dict[str, KindWriter] = {}
 
     def fetch(i):
@@ -109,21 +170,52 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
     def consume(i, result):
         kind, c = items[i]
         data, crc = result
-        kinds[kind]["chunks"][c] = {"offset": writers[kind].append(data), algorithm: crc}
-        if data.numel() * data.element_size() != kinds[kind]["chunk_bytes"]:
-            kinds[kind]["chunks"][c]["nbytes"] = data.numel() * data.element_size()
+        if data.dtype != kinds[kind]:
+            raise OffloadError(f"chunk {kind}[{c}] holds {data.dtype}, a checkpoint expects {kinds[kind]}")
+        entry = {"offset": writers[kind].append(data), algorithm: crc}
+        nbytes = data.numel() * data.element_size()
+        if nbytes != bulk[kind]:
+            entry["nbytes"] = nbytes
+        if ranks.sharded:
+            entry["rank"] = ranks.rank
+        entries[kind][c] = entry
 
     try:
-        for kind, info in kinds.items():     # inside the try: a failed open closes the others
-            writers[kind] = KindWriter(tmp / info["file"])
+        for kind in kinds:     # inside the try: a failed open closes the others
+            writers[kind] = KindWriter(where / f"{kind}.bin")
         pipelined(items, fetch, consume)
     finally:
         for w in writers.values():
             w.close()
-    total = sum(w.offset for w in writers.values())
+    return entries
+
+
+def _merge(engine, ranks: Ranks, shards: list[dict]) -> dict:
+    """The manifest's ``kinds``: every rank's chunk entries in one list per kind."""
+    layout = engine.layout
+    kinds = {}
+    for kind, dtype in model_kinds(engine).items():
+        info = {"dtype": DTYPE_NAMES[dtype], "chunk_bytes": layout.chunk_size * dtype.itemsize,
+                "chunks": [None] * layout.num_chunks}
+        if ranks.sharded:
+            info = {"files": [f"{shard_dir(r)}/{kind}.bin" for r in range(ranks.world)], **info}
+        else:
+            info = {"file": f"{kind}.bin", **info}
+        for shard in shards:
+            for c, entry in shard[kind].items():
+                info["chunks"][c] = entry
+        kinds[kind] = info
+    return kinds
+
+
+def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, kinds: dict) -> dict:
+    layout = engine.layout
+    total = sum(int(e.get("nbytes", info["chunk_bytes"])) for info in kinds.values()
+                for e in info["chunks"] if e is not None)
+    world = Ranks.of(engine).world
     manifest = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": SHARDED_VERSION if world > 1 else VERSION,
         "step": step,
         "created": time.time(),
         "checksum": algorithm,
@@ -156,6 +248,7 @@ def _write_contents(engine, optimizer, tmp: Path, step: int, extra) -> dict:
             manifest["extra"] = extra
         except (TypeError, ValueError):
             manifest["extra_file"] = torch_save_checked(extra, tmp / "extra.pt", algorithm)
+    if world > 1:
+        manifest["world"] = world
     manifest["bytes"] = total
-    manifest["write_s"] = time.perf_counter() - t0
     return manifest

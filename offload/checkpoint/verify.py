@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, OffloadError
-from .format import LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, entry_bytes, read_checked_file, read_manifest
+from .format import (LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, entry_bytes, entry_file, entry_rank, kind_files,
+                     read_checked_file, read_manifest)
 from .listing import candidates, is_complete
 
 
@@ -21,6 +22,7 @@ class Verdict:
 
     path: str
     step: int | None = None
+    world: int = 1               # ranks that saved it (one file per kind and rank)
     chunks: int = 0              # chunks whose checksum was checked
     files: int = 0               # files read
     bytes: int = 0               # bytes read
@@ -32,10 +34,9 @@ class Verdict:
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Verdict:
-    """Read every file of checkpoint ``path`` and check every checksum; never raises for a
-    damaged checkpoint (its problems are listed), only for a missing directory."""
-    from .loading import read_chunk
-
+    """Read every file of checkpoint ``path`` (every rank's, when several ranks saved it) and check
+    every checksum; never raises for a damaged checkpoint (its problems are listed), only for a
+    missing directory."""
     ckpt = Path(path)
     if not ckpt.is_dir():
         raise ConfigError("checkpoint", str(ckpt), "is not a directory")
@@ -43,6 +44,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
     try:
         manifest = read_manifest(ckpt)
         verdict.step = int(manifest["step"])
+        verdict.world = int(manifest.get("world", 1))
         algorithm = manifest["checksum"]
         kinds = manifest["kinds"]
     except (OffloadError, KeyError, TypeError, ValueError) as exc:
@@ -50,28 +52,9 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
         return verdict
     for kind, info in kinds.items():
         try:
-            check_kind_file_size(ckpt, kind, info)
-        except OffloadError as exc:
-            verdict.problems.append(str(exc))
-            if not (ckpt / info["file"]).is_file():
-                continue
-        sizes = [entry_bytes(info, e) for e in info["chunks"] if e is not None]
-        buf = torch.empty(max(sizes, default=0), dtype=torch.uint8, device="cpu")
-        verdict.files += 1
-        try:
-            with open(ckpt / info["file"], "rb", buffering=0) as f:
-                for c, entry in enumerate(info["chunks"]):
-                    if entry is None:
-                        continue
-                    try:
-                        read_chunk(f.fileno(), ckpt / info["file"], kind, c, entry, entry_bytes(info, entry),
-                                   buf, algorithm)
-                        verdict.chunks += 1
-                        verdict.bytes += entry_bytes(info, entry)
-                    except OffloadError as exc:
-                        verdict.problems.append(str(exc))
-        except OSError as exc:
-            verdict.problems.append(f"{ckpt / info['file']}: {exc}")
+            _verify_kind(ckpt, kind, info, algorithm, verdict)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            verdict.problems.append(f"manifest: {kind} entries malformed ({type(exc).__name__}: {exc})")
     small = [manifest.get("buffers"), manifest.get("extra_file"), (manifest.get("optimizer") or {}).get("state")]
     for entry in filter(None, small):
         try:
@@ -80,6 +63,33 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
         except OffloadError as exc:
             verdict.problems.append(str(exc))
     return verdict
+
+
+def _verify_kind(ckpt: Path, kind: str, info: dict, algorithm: str, verdict: Verdict) -> None:
+    """Check the size and every chunk's checksum of each file of ``kind`` (one per saving rank)."""
+    from .loading import read_chunk
+
+    for name in kind_files(info):
+        try:
+            check_kind_file_size(ckpt, kind, info, [name])
+        except OffloadError as exc:
+            verdict.problems.append(str(exc))
+            if not (ckpt / name).is_file():
+                continue
+        chunks = [(c, e) for c, e in enumerate(info["chunks"]) if e is not None and entry_file(info, e) == name]
+        buf = torch.empty(max((entry_bytes(info, e) for _, e in chunks), default=0), dtype=torch.uint8, device="cpu")
+        verdict.files += 1
+        try:
+            with open(ckpt / name, "rb", buffering=0) as f:
+                for c, entry in chunks:
+                    try:
+                        read_chunk(f.fileno(), ckpt / name, kind, c, entry, entry_bytes(info, entry), buf, algorithm)
+                        verdict.chunks += 1
+                        verdict.bytes += entry_bytes(info, entry)
+                    except OffloadError as exc:
+                        verdict.problems.append(f"rank {entry_rank(entry)}: {exc}" if "rank" in entry else str(exc))
+        except OSError as exc:
+            verdict.problems.append(f"{ckpt / name}: {exc}")
 
 
 def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]:
@@ -128,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     for v in verdicts:
         name = Path(v.path).name
         if v.ok:
-            print(f"ok       {name}: {v.chunks} chunks, {v.files} files, {format_bytes(v.bytes)} verified")
+            ranks = f" of {v.world} ranks" if v.world > 1 else ""
+            print(f"ok       {name}: {v.chunks} chunks, {v.files} files{ranks}, {format_bytes(v.bytes)} verified")
         else:
             print(f"CORRUPT  {name}: {len(v.problems)} problem(s)")
             for p in v.problems:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.ranks import Ranks
 from ..errors import ConfigError
 from ..units import parse_bytes
 
@@ -166,6 +167,8 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     there; default: the one ``offload.hf.load_pretrained`` recorded). ``dtype``: the weights' dtype
     (default: the engine's compute dtype — the values the model computes with, bit for bit).
     ``rename`` / ``transform``: see ``offload.export_safetensors`` (merged LoRA uses them).
+    Under data parallelism every rank calls it; rank 0 writes the directory (see
+    ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
     from ..weights import _dtype, export_safetensors
 
@@ -185,12 +188,37 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
             names = {rename(n): shape for n, shape in names.items() if rename(n) is not None}
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         expand = hub_layout(base, names)
-    with StagedDirectory(directory, marker="config.json") as tmp:
-        for f in support_files(Path(source) if source is not None else None):
-            shutil.copy2(f, tmp / f.name)
-        config = copy.deepcopy(hf_config)
-        config.dtype = out_dtype
-        config.to_json_file(str(tmp / "config.json"))
-        export_safetensors(model, tmp, max_shard_bytes=limit, dtype=out_dtype, rename=rename,
-                           transform=transform, expand=expand)
+    ranks = Ranks.of(engine) if engine is not None else Ranks()
+    stage, tmp, error = StagedDirectory(directory, marker="config.json"), None, None
+    if ranks.lead:
+        try:
+            tmp = stage.__enter__()
+            for f in support_files(Path(source) if source is not None else None):
+                shutil.copy2(f, tmp / f.name)
+            config = copy.deepcopy(hf_config)
+            config.dtype = out_dtype
+            config.to_json_file(str(tmp / "config.json"))
+        except BaseException as exc:
+            if tmp is not None:
+                stage.__exit__(type(exc), exc, None)
+            if not ranks.sharded or not isinstance(exc, Exception):
+                raise
+            error = exc
+    ranks.settle(error, f"preparing the export to {directory}")     # every rank: go on or raise
+    try:
+        export_safetensors(model, tmp if ranks.lead else directory, max_shard_bytes=limit, dtype=out_dtype,
+                           rename=rename, transform=transform, expand=expand)
+    except BaseException as exc:
+        if ranks.lead:
+            stage.__exit__(type(exc), exc, None)
+        raise
+    error = None
+    if ranks.lead:
+        try:
+            stage.__exit__(None, None, None)
+        except Exception as exc:
+            if not ranks.sharded:
+                raise
+            error = exc
+    ranks.settle(error, f"moving the export into {directory}")
     return Path(directory)

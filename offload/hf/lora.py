@@ -108,8 +108,10 @@ def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path | None = None) -> Path:
     """Write the trained adapter in peft's format (``PeftModel.from_pretrained`` loads it), staged
     and renamed into place; the fp32 values the optimizer holds, gathered from their chunks."""
-    from .export import StagedDirectory, support_files
     import shutil
+
+    from ..checkpoint.ranks import Ranks
+    from .export import StagedDirectory, support_files
 
     engine = model.offload_engine
     named = adapter_parameters(model)
@@ -118,11 +120,19 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path
     if source is not None:
         for cfg in model.peft_config.values():
             cfg.base_model_name_or_path = str(Path(source).resolve())
-    with StagedDirectory(directory, marker="adapter_config.json") as tmp:
-        model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        for f in support_files(source):
-            if f.name != "generation_config.json":
-                shutil.copy2(f, tmp / f.name)
+    ranks, error = Ranks.of(engine), None
+    if ranks.lead:                  # under data parallelism every rank gathered; rank 0 writes
+        try:
+            with StagedDirectory(directory, marker="adapter_config.json") as tmp:
+                model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+                for f in support_files(source):
+                    if f.name != "generation_config.json":
+                        shutil.copy2(f, tmp / f.name)
+        except Exception as exc:
+            if not ranks.sharded:
+                raise
+            error = exc
+    ranks.settle(error, f"writing the adapter to {directory}")
     return Path(directory)
 
 

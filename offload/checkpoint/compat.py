@@ -1,0 +1,94 @@
+"""Whether a checkpoint fits a model: the same parameters at the same chunk offsets, the same
+dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it.
+
+A checkpoint written by N ranks is read by M: rank r of M reads the chunks it keeps
+(``c % M == r``) from whichever rank's files hold them, so each rank checks the entries and
+files of the chunks it will read; between them the ranks check every chunk. A mismatch is the
+caller's mistake (``ConfigError`` naming what differs), never a reason to fall back to an older
+checkpoint; a missing or truncated file is damage (``OffloadError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ConfigError, OffloadError
+from .format import DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, entry_bytes, entry_file, kind_files
+from .model_state import layout_entries, model_kinds
+from .ranks import Ranks
+
+
+def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = None) -> None:
+    """Raise ``ConfigError`` naming the difference when checkpoint ``ckpt`` (its parsed
+    ``manifest``) does not fit ``engine``'s model; ``OffloadError`` when a chunk file this rank
+    reads is missing or of the wrong size."""
+    ranks = ranks if ranks is not None else Ranks.of(engine)
+    lay = manifest["layout"]
+    if manifest["dtype"] != engine.config.dtype:
+        raise ConfigError("dtype", engine.config.dtype, f"the checkpoint {ckpt} was saved with dtype "
+                                                        f"{manifest['dtype']!r}")
+    _check_params(engine, lay, ckpt)
+    if lay["chunk_size"] != engine.layout.chunk_size or lay["num_chunks"] != engine.layout.num_chunks:
+        raise ConfigError("chunk_size", engine.layout.chunk_size,
+                          f"the checkpoint {ckpt} has {lay['num_chunks']} chunks of {lay['chunk_size']} elements")
+    if len(manifest["adam_steps"]) != len(engine.adam.steps):
+        raise OffloadError(f"{ckpt / MANIFEST}: {len(manifest['adam_steps'])} step counts for "
+                           f"{len(engine.adam.steps)} parameters")
+    world = int(manifest.get("world", 1))
+    if world < 1:
+        raise OffloadError(f"{ckpt / MANIFEST}: world size {world}")
+    kinds = model_kinds(engine)
+    for kind, info in manifest["kinds"].items():
+        if kind not in kinds:
+            raise ConfigError("kind", kind, f"the checkpoint {ckpt} has {kind!r} chunks this model does not")
+        _check_kind(engine, ranks, ckpt, kind, info, world)
+    for kind in SAVED_KINDS:
+        if kind in kinds and kind not in manifest["kinds"]:
+            raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
+
+
+def _check_params(engine, lay: dict, ckpt: Path) -> None:
+    saved = {e[0]: e for e in lay["params"]}
+    mine = {e[0]: e for e in layout_entries(engine)}
+    for name, e in mine.items():
+        if name not in saved:
+            raise ConfigError("parameter", name, f"is not in the checkpoint {ckpt}")
+        s = saved[name]
+        if s[4] != e[4]:
+            raise ConfigError("parameter", name, f"has shape {tuple(e[4])} but {tuple(s[4])} in the checkpoint {ckpt}")
+        if s[1:4] != e[1:4]:
+            raise ConfigError("parameter", name, f"sits at chunk {e[1]} offset {e[2]} but at chunk {s[1]} "
+                                                 f"offset {s[2]} in the checkpoint {ckpt} (a different chunk "
+                                                 f"layout: use the same chunk_size and parameter order)")
+    extra = sorted(set(saved) - set(mine))
+    if extra:
+        raise ConfigError("parameter", extra[0], f"is in the checkpoint {ckpt} but not in the model "
+                                                 f"({len(extra)} such)")
+
+
+def _check_kind(engine, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: int) -> None:
+    dtype = model_kinds(engine)[kind]
+    layout = engine.layout
+    bulk = layout.chunk_size * dtype.itemsize
+    if DTYPES.get(info["dtype"]) != dtype or info["chunk_bytes"] != bulk:
+        raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info['chunk_bytes']} bytes in the "
+                                        f"checkpoint {ckpt}, {dtype} of {bulk} in the model")
+    if len(info["chunks"]) != layout.num_chunks:
+        raise OffloadError(f"{ckpt / MANIFEST}: {len(info['chunks'])} {kind} chunk entries, expected "
+                           f"{layout.num_chunks}")
+    if "files" in info and len(info["files"]) != world:
+        raise OffloadError(f"{ckpt / MANIFEST}: {len(info['files'])} {kind} files for {world} ranks")
+    files = kind_files(info)
+    mine = set()
+    for c, entry in enumerate(info["chunks"]):
+        if entry is None or not ranks.keeps(c):
+            continue
+        rank = int(entry.get("rank", 0))
+        if not 0 <= rank < world:
+            raise OffloadError(f"{ckpt / MANIFEST}: chunk {kind}[{c}] is on rank {rank} of {world}")
+        if (kind, c) not in engine.store.records or entry_bytes(info, entry) != engine.store.records[(kind, c)].nbytes:
+            raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
+                                            "model's (a different chunk layout or set of frozen parameters)")
+        mine.add(entry_file(info, entry))
+    # Each file is checked by a rank that reads from it, and by one rank in any case (an empty one too).
+    check_kind_file_size(ckpt, kind, info, [f for i, f in enumerate(files) if f in mine or i % ranks.world == ranks.rank])
