@@ -171,8 +171,12 @@ class ChunkTraffic:
         if rec.key == exclude or rec.key in self._protected or tier not in rec.buffers or rec.pins[tier] \
                 or rec.busy:
             return False
-        # The last current copy may only leave if there is a tier below to write it to.
-        return not rec.only_on(tier) or self.order.index(tier) < len(self.order) - 1
+        # The last current copy may only leave if there is a tier below to write it to (and a
+        # slot there, when that tier is NVMe: chunks of other ranks have none).
+        if not rec.only_on(tier):
+            return True
+        below = self.order.index(tier) + 1
+        return below < len(self.order) and (self.order[below] != "nvme" or rec.slot is not None)
 
     def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
         """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the

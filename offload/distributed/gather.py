@@ -195,7 +195,8 @@ class GroupGather:
             self.store.release(key, self.tier)
         entry.own = []
         for key in entry.borrowed:
-            self.store.release(key, self.tier)
-            if free:
-                self.store.release_storage(key)
+            with self.store.lock:   # freed before another thread sees it unpinned
+                self.store.release(key, self.tier)
+                if free:
+                    self.store.release_storage(key)
         entry.borrowed = []

@@ -57,13 +57,15 @@ class GradReducer:
         """A backward raised on this rank: let go of the gradient chunks held for reduction.
         (The other ranks wait in the collectives this rank will not issue until they time out
         or this process ends: see ``failure``.)"""
-        for done in self.finished.values():
-            for c in done:
-                self.store.release(("grad", c), self.tier, dirty=True)
+        held = [c for done in self.finished.values() for c in done]
+        held += [c for _, chunks, _, _ in self.in_flight for c in chunks]
+        for c in held:
+            key = ("grad", c)
+            with self.store.lock:
+                self.store.release(key, self.tier, dirty=True)
+                if self.store.records[key].slot is None and "nvme" in self.store.tiers:
+                    self.store.release_storage(key)     # another rank's, with nowhere to go
         self.finished.clear()
-        for _, chunks, _, _ in self.in_flight:
-            for c in chunks:
-                self.store.release(("grad", c), self.tier, dirty=True)
         self.in_flight.clear()
         self.issued.clear()
 
@@ -71,9 +73,11 @@ class GradReducer:
         key = ("grad", c)
         from ..chunks.states import ChunkState
 
-        if self.store.records[key].state is ChunkState.FREE:
-            self.store.initialize(key, self.tier)           # zeros: no gradient on this rank
-        return self.store.access(key, self.tier)
+        with self.store.lock:       # a new chunk is pinned before another thread could evict it
+            if self.store.records[key].state is ChunkState.FREE:
+                self.store.initialize(key, self.tier)           # zeros: no gradient on this rank
+                return self.store.access(key, self.tier)
+        return self.store.access(key, self.tier)        # accumulated: it has an NVMe slot
 
     def _issue(self, g: int) -> None:
         s = self.sharding
@@ -114,7 +118,8 @@ class GradReducer:
                 engine._grad_chunk_ready(c, view, reduced=True)
             else:
                 key = ("grad", c)
-                self.store.release(key, self.tier)
-                self.store.release_storage(key)
+                with self.store.lock:       # no other thread may see it unpinned and still holding bytes
+                    self.store.release(key, self.tier)
+                    self.store.release_storage(key)
                 engine.grad_chunks.discard(c)
                 engine.sumsq.pop(c, None)

@@ -32,10 +32,14 @@ class GradCapture:
                 # gradients waiting beyond it only take the room the state being read needs,
                 # and when the disk is the bottleneck they are written down and read back.
                 self.adam.wait_backlog(max(1, self.config.prefetch_depth + 1))
-            if self.store.records[key].state is ChunkState.FREE:
-                # Only the gaps need zeros: every parameter's slice is written by its first gradient.
-                self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))
-            self.grad_views[c] = self.store.access(key, "device")
+            view = None
+            with self.store.lock:   # a new chunk is pinned before the optimizer's thread could evict it
+                if self.store.records[key].state is ChunkState.FREE:
+                    # Only the gaps need zeros: every parameter's slice is written by its first gradient.
+                    self.store.initialize(key, "device", lambda v, c=c: self._zero_gaps(v, c))
+                    view = self.store.access(key, "device")
+            # An accumulated one may be on NVMe: brought back outside the lock.
+            self.grad_views[c] = view if view is not None else self.store.access(key, "device")
         target = self.grad_views[c][ref.slot.offset:ref.slot.end]
         with self._on_compute(g):
             if ref.index in self.with_grad:
