@@ -106,8 +106,6 @@ def single(args: list[str]) -> subprocess.CompletedProcess:
                           timeout=240, cwd=ROOT)
 
 
-@pytest.mark.xfail(reason="needs checkpoints sharded across ranks (offload/checkpoint: in progress); "
-                          "remove this mark when they land", strict=False)
 def test_a_checkpoint_resumes_at_another_world_size(disk_tmp):
     """Saved by 2 ranks, resumed by 1 process; saved by 1, resumed by 2 ranks: the resumed steps
     are the ones the saving run went on to take (the checkpoint is resharded by chunk index)."""
@@ -135,8 +133,6 @@ def test_a_checkpoint_resumes_at_another_world_size(disk_tmp):
             assert abs(a - b) <= 1e-4 * abs(a), (tag, straight, resumed)
 
 
-@pytest.mark.xfail(reason="needs the HF export gathered across ranks (offload/hf/export.py: in progress); "
-                          "remove this mark when it lands", strict=False)
 def test_two_ranks_write_the_model_one_process_would(disk_tmp):
     """--model DIR --output DIR under 2 ranks: one HF directory, with the weights one process with
     the same flags trains (to fp32 rounding: the gradients are averaged over two halves)."""
