@@ -100,11 +100,10 @@ class ChunkSource:
 
 def _device(group):
     """The device a collective of ``group`` needs its tensors on (None: the CPU, as for gloo)."""
-    import torch.distributed as dist
+    from .distributed.comms import collective_device
 
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    device = collective_device(group)
+    return None if device.type == "cpu" else device
 
 
 def _send(data: torch.Tensor, dst: int, group) -> None:

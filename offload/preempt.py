@@ -124,8 +124,9 @@ def _agreed_signum(signum: int | None) -> int | None:
         return signum
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return signum
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([signum or 0], dtype=torch.int64, device=device)
+    from .distributed.comms import collective_device
+
+    flag = torch.tensor([signum or 0], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item()) or None
 

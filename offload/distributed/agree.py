@@ -15,17 +15,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from .comms import collective_device
 
 
 def agreed_budgets(device_budget: int, cpu_budget: int) -> tuple[int, int]:
     """The smallest ``(device_budget, cpu_budget)`` over all ranks."""
-    t = torch.tensor([device_budget, cpu_budget], dtype=torch.int64, device=_device())
+    t = torch.tensor([device_budget, cpu_budget], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t[0]), int(t[1])
 
@@ -42,7 +37,7 @@ def check_same_layout(layout, dtype: torch.dtype) -> None:
     frozen set or chunk size)."""
     world = dist.get_world_size()
     mine = torch.tensor([layout_digest(layout, dtype), layout.num_chunks, layout.total_params],
-                        dtype=torch.int64, device=_device())
+                        dtype=torch.int64, device=collective_device())
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     rows = [tuple(int(v) for v in t.cpu()) for t in every]

@@ -26,6 +26,13 @@ from . import failure
 from .sharding import Sharding
 
 
+def collective_device(group=None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: this rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Collectives:
     def __init__(self, sharding: Sharding):
         self.sharding = sharding

@@ -174,16 +174,13 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.comm_device = torch.device("cpu")
         if self.dp is None:
             return
-        import torch.distributed as dist
-
         from ..distributed import failure
-        from ..distributed.comms import Collectives
+        from ..distributed.comms import Collectives, collective_device
         from ..distributed.gather import GroupGather
         from ..distributed.reduce import GradReducer
 
         failure.install(self.dp.rank)
-        if dist.get_backend() == "nccl":
-            self.comm_device = self.device
+        self.comm_device = collective_device()
         self.comms = Collectives(self.dp)
         self.gather = GroupGather(self, self.comms, prefetch=1 if self.config.prefetch_depth > 0 else 0)
         self.reducer = GradReducer(self, self.comms)
