@@ -71,8 +71,7 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
                 rest[k] = v
         missing = [n for n, p in by_name.items() if engine.params.owns(p) and id(p) not in values]
         engine.params.scatter(values)
-        if engine.gather is not None:
-            engine.gather.drop_all()    # copies gathered from other ranks hold the old values
+        engine.drop_gathered()          # copies gathered from other ranks hold the old values
         result = original_load(rest, strict=False, assign=assign)
         missing_all = sorted(set(result.missing_keys) - set(by_name)) + missing
         if strict and (missing_all or result.unexpected_keys):

@@ -161,9 +161,7 @@ def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
 
     _on_engine(engine.adam.drain)
     _on_engine(engine.zero_grad)             # a clean window: no gradients, nothing applied
-    gather = getattr(engine, "gather", None)
-    if gather is not None:                   # other ranks' chunks gathered here go stale now
-        _on_engine(gather.drop_all)
+    _on_engine(engine.drop_gathered)         # other ranks' chunks gathered here go stale now
     t0 = time.perf_counter()
     _load_chunks(engine, manifest, ckpt, algorithm, ranks)
     read_s = time.perf_counter() - t0

@@ -105,7 +105,7 @@ class GroupGather:
                     entry.borrowed.append(key)
             entry.works = self._collectives(chunks, views)
         except BaseException:
-            self._release(entry, free=True)
+            self._release(entry)
             raise
         self.window[g] = entry
 
@@ -130,7 +130,7 @@ class GroupGather:
                 self.comms.wait(work, f"all-gather of parameter chunks {entry.chunks}")
         except BaseException:
             self.window.pop(g, None)
-            self._release(entry, free=True)
+            self._release(entry)
             raise
         own, entry.own = entry.own, []
         for key in own:
@@ -188,15 +188,14 @@ class GroupGather:
         return float("inf")
 
     def _drop(self, g: int) -> None:
-        self._release(self.window.pop(g), free=True)
+        self._release(self.window.pop(g))
 
-    def _release(self, entry: _Gathered, *, free: bool) -> None:
+    def _release(self, entry: _Gathered) -> None:
         for key in entry.own:
             self.store.release(key, self.tier)
         entry.own = []
         for key in entry.borrowed:
             with self.store.lock:   # freed before another thread sees it unpinned
                 self.store.release(key, self.tier)
-                if free:
-                    self.store.release_storage(key)
+                self.store.release_storage(key)
         entry.borrowed = []

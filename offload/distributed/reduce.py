@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..chunks.states import ChunkState
+
 
 class GradReducer:
     def __init__(self, engine, comms, *, max_in_flight: int = 2):
@@ -71,8 +73,6 @@ class GradReducer:
 
     def _grad_view(self, c: int):
         key = ("grad", c)
-        from ..chunks.states import ChunkState
-
         with self.store.lock:       # a new chunk is pinned before another thread could evict it
             if self.store.records[key].state is ChunkState.FREE:
                 self.store.initialize(key, self.tier)           # zeros: no gradient on this rank

@@ -167,6 +167,12 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.last_stats: dict = {}
         self._closed = False
 
+    def drop_gathered(self) -> None:
+        """Under several ranks, free the parameter chunks gathered from other ranks: their owners
+        are about to change them (an update, a load). A no-op in a single process."""
+        if self.gather is not None:
+            self.gather.drop_all()
+
     # ---- set-up -------------------------------------------------------------------------
     def _setup_data_parallel(self) -> None:
         """Collectives, the parameter gather and the gradient reducer (None in a single process)."""

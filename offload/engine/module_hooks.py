@@ -281,8 +281,8 @@ class ModuleHooks:
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
         self.params.unpin_all()
-        if self.gather is not None and self.final_micro_batch:
-            self.gather.drop_all()      # the owners update their chunks now: borrowed copies go stale
+        if self.final_micro_batch:
+            self.drop_gathered()        # the owners update their chunks now
         for c in sorted(self.ready | (self.parked & self.grad_chunks)):
             self._submit(c)
         self.adam.reorder(self._deadline)

@@ -116,8 +116,7 @@ class StepPipeline:
             # the gradients are still each rank's own. Every rank has some (the same chunks).
             self.reducer.flush()
             self.window_reduced = True
-        if self.gather is not None:
-            self.gather.drop_all()      # owners update their chunks now: borrowed copies go stale
+        self.drop_gathered()            # the owners update their chunks now
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
         max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]
