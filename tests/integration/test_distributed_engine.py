@@ -9,7 +9,6 @@ tier, and each rank owns a quarter to a half of the chunks.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -19,10 +18,10 @@ import torch
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 from dp_launch import launch  # noqa: E402
-from tiny_gpt import TinyGPT, batches  # noqa: E402
+from test_engine_equivalence import LR, WD, make_models, run_reference  # noqa: E402
+from tiny_gpt import batches  # noqa: E402
 
 WORKER = TESTS / "dp_worker.py"
-LR, WD = 1e-2, 0.1
 
 
 def config(tmp: Path, **kw) -> dict:
@@ -32,25 +31,10 @@ def config(tmp: Path, **kw) -> dict:
     return base
 
 
-def reference(steps, *, accumulate=1, clip=None, skip=(), batch=4, dtype=torch.float32):
-    torch.manual_seed(0)
-    model = TinyGPT(checkpointing=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    data = iter(batches(steps * accumulate, batch=batch))
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for _ in range(accumulate):
-            x, y = next(data)
-            loss = model(x, y) / accumulate
-            loss.backward()
-            total += loss.item()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if step not in skip:
-            opt.step()
-        opt.zero_grad()
-        losses.append(total)
+def reference(steps, *, accumulate=1, clip=None, skip=(), batch=4):
+    """Plain PyTorch on the whole global batch (test_engine_equivalence's loop): losses, final state."""
+    model = make_models()[0]
+    losses = run_reference(model, steps, accumulate=accumulate, clip=clip, skip=skip, batch=batch)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -39,10 +39,10 @@ def make_models(checkpointing=True, seed=0):
     return ref, copy.deepcopy(ref)
 
 
-def run_reference(ref, steps, *, accumulate=1, clip=None, skip=()):
+def run_reference(ref, steps, *, accumulate=1, clip=None, skip=(), batch=4):
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     losses = []
-    data = iter(batches(steps * accumulate))
+    data = iter(batches(steps * accumulate, batch=batch))
     for step in range(steps):
         total = 0.0
         for _ in range(accumulate):
