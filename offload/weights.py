@@ -392,10 +392,20 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
 
 
 def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
-    """Fill chunk ``c``'s fp32 values from ``members`` and write its param (+ master) chunk once.
+    """Fill chunk ``c``'s fp32 values from ``members`` and write its param (+ master) chunk once."""
+    master = chunk_values(engine, c, {id(p) for p, _, _ in members}, staging)
+    for p, name, file in members:
+        s = engine.params.ref(p).slot
+        master[s.offset:s.end].copy_(tensor(file, name).reshape(-1))
+    write_chunk_values(engine, c, master, staging)
+
+
+def chunk_values(engine, c: int, covered: set[int], staging: dict) -> torch.Tensor:
+    """Chunk ``c``'s fp32 values, to be overwritten where parameters ``covered`` (their ids) lie:
+    zeros when they are all of its parameters (padding stays zero), else its current values.
 
     ``staging`` holds buffers reused from chunk to chunk (fresh allocations per chunk leave the
-    heap fragmented and the process's RSS growing)."""
+    heap fragmented and the process's RSS growing), sized for the largest chunk."""
     params, store = engine.params, engine.store
     n = engine.layout.chunk_numel(c)
     kind = params.master_kind(c)       # "param" for a frozen chunk or fp32 compute
@@ -404,21 +414,20 @@ def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
         staging["master"] = store.staging_buffers(largest * 4, count=1)[0]
         if params.has_master:
             staging["param"] = torch.empty(largest, dtype=params.dtype, device="cpu")
-    covered = {id(p) for p, _, _ in members}
     if all(id(p) in covered for p in params.chunk_members[c]):
-        master = staging["master"][: n * 4].view(torch.float32)
-        master.zero_()                                                  # padding stays zero
-    elif kind == "master" or params.dtype == torch.float32:
-        master = store.read_into((kind, c), staging["master"])
-    else:
-        current = store.read_into(("param", c), staging["master"]).float()
-        master = staging["master"][: n * 4].view(torch.float32).copy_(current)
-    for p, name, file in members:
-        s = params.ref(p).slot
-        master[s.offset:s.end].copy_(tensor(file, name).reshape(-1))
-    if kind == "master":
+        return staging["master"][: n * 4].view(torch.float32).zero_()
+    if kind == "master" or params.dtype == torch.float32:
+        return store.read_into((kind, c), staging["master"])
+    current = store.read_into(("param", c), staging["master"]).float()
+    return staging["master"][: n * 4].view(torch.float32).copy_(current)
+
+
+def write_chunk_values(engine, c: int, master: torch.Tensor, staging: dict) -> None:
+    """Write chunk ``c``'s param chunk (and its fp32 master, when it has one) from ``master``."""
+    params, store = engine.params, engine.store
+    if params.master_kind(c) == "master":
         store.write(("master", c), master)
     if params.has_master:
-        store.write(("param", c), staging["param"][:n].copy_(master))
+        store.write(("param", c), staging["param"][:master.numel()].copy_(master))
     else:
         store.write(("param", c), master)

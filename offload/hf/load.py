@@ -334,32 +334,12 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
 def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
     """Chunk ``c``'s fp32 values from its tensors, then its param (+ master) chunk written once.
 
-    ``staging`` holds the buffers reused from chunk to chunk (fresh ones per chunk leave the heap
-    fragmented and RSS growing). A chunk that also holds values from elsewhere (LoRA adapters
-    copied in by ``wrap``) is read first; padding stays zero."""
-    params, store, layout = engine.params, engine.store, engine.layout
-    # Chunks differ in size (a large parameter has its own) and frozen ones have no master:
-    # stage in fp32 up to the largest chunk, write the kinds chunk ``c`` has.
-    master_kind = params.master_kind(c)
-    numel = layout.chunk_numel(c)
-    if "master" not in staging:
-        largest = layout.largest_chunk
-        staging["master"] = store.staging_buffers(largest * 4, count=1)[0]
-        if params.has_master:
-            staging["param"] = torch.empty(largest, dtype=params.dtype, device="cpu")
-    covered = {id(p) for p, _ in members}
-    if all(id(p) in covered for p in params.chunk_members[c]):
-        master = staging["master"][: numel * 4].view(torch.float32)
-        master.zero_()
-    else:
-        current = store.read_into((master_kind, c), staging["master"])
-        master = current if current.dtype == torch.float32 else current.float()   # a frozen chunk
+    A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``) is read
+    first; padding stays zero (``offload.weights.chunk_values``)."""
+    from ..weights import chunk_values, write_chunk_values
+
+    master = chunk_values(engine, c, {id(p) for p, _ in members}, staging)
     for p, source in members:
-        slot = params.ref(p).slot
+        slot = engine.params.ref(p).slot
         source.copy_into(master[slot.offset:slot.end])
-    if master_kind == "master":
-        store.write(("master", c), master)
-    if params.has_master:
-        store.write(("param", c), staging["param"][:numel].copy_(master))
-    else:
-        store.write(("param", c), master)
+    write_chunk_values(engine, c, master, staging)
