@@ -3,8 +3,9 @@
 Budgets are small enough that every chunk passes through every tier: on this CPU-only suite the
 device and CPU budgets are one host-memory tier (the default) plus NVMe in a temp dir, and with
 ``merge_host_tiers=False`` three tiers (a CPU region standing in for the device, CPU, NVMe) with
-the copies between them a GPU run makes. Tolerances: fp32 within 1e-5 relative (losses and final
-parameters); bf16 against a plain-PyTorch mixed-precision reference (bf16 compute copy, fp32
+the copies between them a GPU run makes. Tolerances: fp32 losses and final parameters as close to
+the same run in float64 as plain PyTorch's fp32 run is (tests/trajectory.py: no fixed tolerance holds
+on every CPU, as Adam amplifies rounding-level gradient differences); bf16 against a plain-PyTorch mixed-precision reference (bf16 compute copy, fp32
 master weights, torch AdamW) within 2e-2 relative on the loss, and against fp32 training within
 5e-2 (bf16's own tolerance); fp16 with loss scaling against fp32 within 3e-2.
 """
@@ -22,6 +23,7 @@ import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_gpt import TinyGPT, batches  # noqa: E402
+from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
 
 LR, WD = 1e-2, 0.1
 
@@ -57,6 +59,20 @@ def run_reference(ref, steps, *, accumulate=1, clip=None, skip=(), batch=4):
         opt.zero_grad()
         losses.append(total)
     return losses
+
+
+class Reference:
+    """Plain PyTorch's fp32 run of a model and the same run in float64 (the exact one)."""
+
+    def __init__(self, ref, steps, **kw):
+        exact = float64_twin(ref)
+        self.fp32, self.losses = ref, run_reference(ref, steps, **kw)
+        self.exact, self.exact_losses = exact, run_reference(exact, steps, **kw)
+
+    def check(self, model, losses) -> None:
+        """``model`` (trained, with per-step ``losses``) is as close to the exact run as plain PyTorch's."""
+        assert_losses_within_drift(losses, self.losses, self.exact_losses)
+        assert_within_drift(model.state_dict(), self.fp32.state_dict(), self.exact.state_dict())
 
 
 def run_offload(model, cfg, steps, *, accumulate=1, clip=None, overflow_at=None):
@@ -99,11 +115,10 @@ def assert_all_tiers_used(model):
 @pytest.mark.parametrize("merged", [True, False], ids=["host-tier", "three-tiers"])
 def test_fp32_matches_torch(disk_tmp, overlap, merged):
     ref, mine = make_models()
-    want = run_reference(ref, 20)
+    want = Reference(ref, 20)
     cfg = small_config(disk_tmp, overlap_optimizer=overlap, merge_host_tiers=merged)
     model, _, got = run_offload(mine, cfg, 20)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    want.check(model, got)
     assert_all_tiers_used(model)
     model.offload_engine.close()
 
@@ -122,19 +137,17 @@ def test_overlapped_and_deferred_updates_are_bit_identical(disk_tmp):
 
 def test_gradient_accumulation(disk_tmp):
     ref, mine = make_models()
-    want = run_reference(ref, 8, accumulate=3)
+    want = Reference(ref, 8, accumulate=3)
     model, _, got = run_offload(mine, small_config(disk_tmp, gradient_accumulation_steps=3), 8, accumulate=3)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    want.check(model, got)
     model.offload_engine.close()
 
 
 def test_gradient_clipping(disk_tmp):
     ref, mine = make_models()
-    want = run_reference(ref, 10, clip=0.5)
+    want = Reference(ref, 10, clip=0.5)
     model, opt, got = run_offload(mine, small_config(disk_tmp), 10, clip=0.5)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    want.check(model, got)
     assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.5   # clipping was active
     model.offload_engine.close()
 

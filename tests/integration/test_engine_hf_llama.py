@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import tiny_llama  # noqa: E402
+from trajectory import assert_run_within_drift, float64_twin, train_in_lockstep  # noqa: E402
 
 
 def checkpointing(model):
@@ -33,28 +34,16 @@ def data(n, seed=0):
 @pytest.mark.slow
 def test_hf_llama_fp32_matches_torch(disk_tmp):
     ref = tiny_llama()
-    mine = copy.deepcopy(ref)
-    checkpointing(ref)
-    checkpointing(mine)
-    ref.train()
-    mine.train()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    mine, exact = copy.deepcopy(ref), float64_twin(ref)
+    for m in (ref, mine, exact):
+        checkpointing(m)
+        m.train()
     cfg = offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="512KiB", cpu_budget="320KiB",
                                 nvme_paths=[str(disk_tmp)], chunk_size=16384)
     model = offload.wrap(mine, cfg)
-    opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    for ids in data(12):
-        l_ref = ref(input_ids=ids, labels=ids).loss
-        l_ref.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert abs(loss.item() - l_ref.item()) <= 1e-5 * abs(l_ref.item())
-    got = model.state_dict()
-    for name, want in ref.state_dict().items():
-        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    runs = [(model, offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))]
+    runs += [(m, torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1)) for m in (ref, exact)]
+    losses = train_in_lockstep(runs, data(12), lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    assert_run_within_drift((model, losses[0]), (ref, losses[1]), (exact, losses[2]))
     assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
     model.offload_engine.close()
