@@ -1,82 +1,142 @@
 #!/usr/bin/env bash
-# Everything offload wants from a lent GPU machine, in one call: build the package there, run the
-# GPU suite (pytest -m gpu, with and without CUDA's stream sanitizer), then `offload bench step
-# --device cuda` with its batch-size curve, and a few steps of the largest LLaMA preset the planner
-# accepts on that box. Every log and JSON lands in $OUT.
+# What offload wants from a lent GPU machine, in stages: one device call each, each ending well
+# inside the 600 s a call may run (STAGE_BUDGET_S, default 510 s, shared by its steps through
+# `timeout`) and writing 3 files to $OUT (8 come back): setup.log (machine, build, doctor),
+# <stage>.log (everything the stage ran) and <stage>.json (its figures, see gpu_figures.py).
 #
-# The device image has torch, nvcc and a C compiler but no network and no cffi or libaio, so they
-# travel with the working tree. Once, on the development box (network), from the repo root:
-#     benchmarks/gpu_check.sh --prepare      # .deb/ (libaio) and .whl/ (cffi, pycparser), git-ignored
-# then through the device tool:
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".deb", ".whl"], timeout_s=600)
-# A full run takes about 8 minutes on an H100; GPU_CHECK_STEPS=suite|bench|largest runs one part.
+#   benchmarks/gpu_check.sh prepare   HERE, once (needs network): libaio .debs in .deb/, cffi and
+#                                     pycparser wheels for the device's Python in .whl/ (git-ignored)
+#   benchmarks/gpu_check.sh suite     THERE: the GPU tests (pytest -m gpu), then the sanitizer run
+#   benchmarks/gpu_check.sh bench     THERE: offload bench step --device cuda: a step vs its bound
+#                                     (PCIe included) and the in-memory batch curve vs plain PyTorch
+#   benchmarks/gpu_check.sh largest   THERE: the largest preset the planner accepts on that box, a
+#                                     few steps of it: TFLOPS vs the card's bf16 peak, step vs predicted
+#
+# Through the device tool, one stage per call, in this order:
+#     run(command="bash benchmarks/gpu_check.sh suite", carry=[".deb", ".whl"], timeout_s=600)
+# The device image has torch (>= 2.11), nvcc and gcc but no network, cffi or libaio: those travel
+# in .deb/ and .whl/. Without CUDA (here) every stage still runs to the end, its GPU steps skipped,
+# so `OUT=/tmp/o unshare -n bash benchmarks/gpu_check.sh suite` checks the harness offline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STAGE=${1:-}
+PY=${PYTHON:-python3}
 
-if [ "${1:-}" = "--prepare" ]; then
+case "$STAGE" in
+prepare)
     set -e
     exclude=$(git rev-parse --git-path info/exclude)
     mkdir -p "$(dirname "$exclude")"
     for d in .deb .whl; do grep -qx "/$d/" "$exclude" 2>/dev/null || echo "/$d/" >> "$exclude"; done
     mkdir -p .deb .whl
-    (cd .deb && apt-get download libaio1 libaio-dev 2>/dev/null || apt-get download libaio1t64 libaio-dev)
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl cffi pycparser
+    (cd .deb && { apt-get download libaio1 libaio-dev 2>/dev/null || apt-get download libaio1t64 libaio-dev; })
+    # The device image's python3 is 3.12 (KINDS.md); cffi's wheel is per Python version.
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version "${DEVICE_PYTHON:-3.12}" \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl cffi pycparser
     ls -l .deb .whl
-    exit 0
-fi
+    exit 0 ;;
+suite|bench|largest) ;;
+*)
+    echo "usage: benchmarks/gpu_check.sh {prepare|suite|bench|largest}" >&2
+    exit 2 ;;
+esac
 
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-STEPS=${GPU_CHECK_STEPS:-suite bench largest}
-PY=python3
-NVME=${GPU_CHECK_NVME:-/tmp/offload-nvme}
+BUDGET=${STAGE_BUDGET_S:-510}
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
+NVME=${GPU_CHECK_NVME:-$WORK/nvme}
 mkdir -p "$NVME"
+LOG="$OUT/$STAGE.log"
+SETUP="$OUT/setup.log"
+export PYTHONUNBUFFERED=1 CC=gcc
+trap 'rm -rf "$WORK"' EXIT
+
+# Seconds left for a step, keeping `keep` seconds for what comes after it (at least 10).
+left() { local keep=${1:-20} n; n=$((BUDGET - SECONDS - keep)); echo $((n > 10 ? n : 10)); }
+say() { echo "[$STAGE ${SECONDS}s] $*" | tee -a "$LOG"; }
 
 # libaio unpacked beside the system, not into it; gcc and the loader find it through these.
-if compgen -G ".deb/*.deb" >/dev/null; then
-    for f in .deb/*.deb; do dpkg -x "$f" /tmp/libaio-root; done
-    lib=/tmp/libaio-root/usr/lib/x86_64-linux-gnu
+if [ ! -f /usr/include/libaio.h ] && compgen -G ".deb/*.deb" >/dev/null; then
+    for f in .deb/*.deb; do dpkg -x "$f" "$WORK/libaio"; done
+    lib=$WORK/libaio/usr/lib/x86_64-linux-gnu
     [ -e "$lib/libaio.so" ] || ln -sf "$(ls "$lib"/libaio.so.1* | head -1)" "$lib/libaio.so"
-    export C_INCLUDE_PATH=/tmp/libaio-root/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+    export C_INCLUDE_PATH=$WORK/libaio/usr/include LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
+# cffi from the carried wheels only where the Python has none (they are built for the device's).
+if ! $PY -c "import cffi" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl
+    export PYTHONPATH=$WORK/site
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-{ nvidia-smi; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; nproc; free -g; df -h /tmp; } \
-    > "$OUT/machine.txt" 2>&1
-$PY offload/_build_native.py > "$OUT/build.log" 2>&1 || { echo "native build failed"; tail -20 "$OUT/build.log"; exit 1; }
-$PY -m offload doctor --path "$NVME" > "$OUT/doctor.txt" 2>&1
-tail -3 "$OUT/build.log"; cat "$OUT/doctor.txt"
+{
+    echo "== machine"; nvidia-smi 2>&1 | head -20; nproc; free -g; df -h "$NVME"
+    $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
+} > "$SETUP" 2>&1
+if ! $PY -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 11))" 2>>"$SETUP"; then
+    echo "torch >= 2.11 is needed; this machine has: $($PY -c 'import torch; print(torch.__version__)' 2>&1)" | tee -a "$SETUP"
+    exit 2
+fi
+echo "== build" >> "$SETUP"
+if ! $PY offload/_build_native.py >> "$SETUP" 2>&1; then
+    echo "native build failed:"; tail -20 "$SETUP"; exit 1
+fi
+echo "== doctor" >> "$SETUP"
+$PY -m offload doctor --path "$NVME" >> "$SETUP" 2>&1
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
+say "setup done (CUDA: $CUDA)"
 
 rc=0
-if [[ " $STEPS " == *" suite "* ]]; then
-    # The sanitizer run is one of the suite's tests (test_sanitizer_run).
-    timeout 300 $PY -m pytest -q -m gpu -p no:cacheprovider -rs tests > "$OUT/gpu-suite.log" 2>&1 || rc=1
-    tail -25 "$OUT/gpu-suite.log"
-fi
-if [[ " $STEPS " == *" bench "* ]]; then
-    timeout 200 $PY -m offload bench step --device cuda --path "$NVME" --preset small --steps 6 \
-        --batch-curve 512,2048,8192,16384 --json "$OUT/bench-step.json" > "$OUT/bench-step.txt" 2>&1 || rc=1
-    cat "$OUT/bench-step.txt" | grep -v "^\[bench step\]"
-fi
-if [[ " $STEPS " == *" largest "* ]]; then
-    # The largest preset the planner accepts here (RAM, this disk), then a few steps of it with the
-    # planner's predicted step time beside the measured one.
+case "$STAGE" in
+suite)
+    # The sanitizer run is its own step (its own pytest), so a slow one cannot eat the suite's time.
+    say "pytest -m gpu"
+    timeout "$(left 200)" $PY -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml "$WORK/suite.xml" \
+        --deselect tests/gpu/test_gpu_path.py::test_sanitizer_run tests >> "$LOG" 2>&1 || rc=1
+    say "sanitizer run"
+    OFFLOAD_SANITIZER_TIMEOUT_S=$(left 30) timeout "$(left 20)" $PY -m pytest -q -m gpu -p no:cacheprovider -rs \
+        --junitxml "$WORK/sanitizer.xml" tests/gpu/test_gpu_path.py::test_sanitizer_run >> "$LOG" 2>&1 || rc=1
+    $PY benchmarks/gpu_figures.py suite "$OUT/suite.json" "$WORK/suite.xml" "$WORK/sanitizer.xml" >> "$LOG" 2>&1 || rc=1
+    ;;
+bench)
+    if [ "$CUDA" = 1 ]; then
+        say "offload bench step --device cuda"
+        timeout "$(left 20)" $PY -m offload bench step --device cuda --path "$NVME" --preset small --steps 6 \
+            --batch-curve 512,2048,8192,16384 --json "$WORK/bench-step.json" >> "$LOG" 2>&1 || rc=1
+    else
+        say "no CUDA device: the step benchmark is skipped"
+    fi
+    $PY benchmarks/gpu_figures.py bench "$OUT/bench.json" "$WORK/bench-step.json" >> "$LOG" 2>&1 || rc=1
+    ;;
+largest)
+    # The planner's verdict for each preset, largest first, until one fits; then a few steps of it.
+    chosen=""
     for preset in 100b 70b 13b 7b 1b small; do
-        if $PY scripts/finetune_100b.py --preset "$preset" --nvme-path "$NVME" --dry-run > "$OUT/plan-$preset.txt" 2>&1; then
-            echo "largest preset accepted: $preset"; cat "$OUT/plan-$preset.txt"
-            timeout 240 $PY scripts/finetune_100b.py --preset "$preset" --nvme-path "$NVME" --steps 4 \
-                --batch-tokens 8192 --seq-len 2048 --json-log "$OUT/largest.jsonl" > "$OUT/largest.txt" 2>&1 || rc=1
-            tail -15 "$OUT/largest.txt"
+        say "plan $preset"
+        timeout "$(left 300)" $PY -m offload plan --model "$preset" --nvme-path "$NVME" \
+            --json "$WORK/plan-$preset.json" >> "$LOG" 2>&1
+        if $PY -c "import json, sys; sys.exit(0 if json.load(open('$WORK/plan-$preset.json'))['fits'] else 1)" 2>/dev/null; then
+            chosen=$preset
             break
         fi
     done
-fi
-rm -rf "$NVME"
+    if [ -z "$chosen" ]; then
+        say "no preset fits this box"; rc=1
+    elif [ "$CUDA" = 1 ]; then
+        say "peak bf16 matmul"
+        timeout 60 $PY benchmarks/gpu_figures.py matmul-peak "$WORK/peak.json" >> "$LOG" 2>&1
+        say "finetune --preset $chosen"
+        timeout "$(left 20)" $PY scripts/finetune_100b.py --preset "$chosen" --nvme-path "$NVME" --steps 3 \
+            --batch-tokens 8192 --seq-len 2048 --json-log "$WORK/steps.jsonl" >> "$LOG" 2>&1 || rc=1
+    else
+        say "no CUDA device: the run of $chosen is skipped"
+    fi
+    $PY benchmarks/gpu_figures.py largest "$OUT/largest.json" "$WORK" "$chosen" >> "$LOG" 2>&1 || rc=1
+    ;;
+esac
+say "stage $STAGE done in ${SECONDS} s (rc $rc); files in \$OUT: $(ls "$OUT" | wc -l)"
+tail -25 "$LOG"
 exit $rc
