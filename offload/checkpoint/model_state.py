@@ -21,12 +21,14 @@ def engine_of(model):
 
 
 def persistent_buffers(model) -> dict[str, tuple[torch.nn.Module, str]]:
+    """The buffers ``model.state_dict()`` holds, by full name: ``(module, attribute)``."""
     out = {}
     for mname, module in model.named_modules():
-        for bname, buf in module._buffers.items():
-            if buf is None or bname in module._non_persistent_buffers_set:
-                continue
-            out[f"{mname}.{bname}" if mname else bname] = (module, bname)
+        # torch keeps persistence in a private set and has no public accessor for it.
+        skip = module._non_persistent_buffers_set
+        for bname, _ in module.named_buffers(recurse=False, remove_duplicate=False):
+            if bname not in skip:
+                out[f"{mname}.{bname}" if mname else bname] = (module, bname)
     return out
 
 

@@ -231,17 +231,17 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         new: dict[int, nn.Parameter] = {}
         self._shapes = {}
         for module in self.model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is None or not p.is_meta:
+            for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if not p.is_meta:
                     continue
                 if id(p) not in new:
                     q = nn.Parameter(placeholder, requires_grad=p.requires_grad)
                     new[id(p)] = q
                     self._shapes[id(q)] = p.shape
-                module._parameters[name] = new[id(p)]
+                setattr(module, name, new[id(p)])
         for module in self.model.modules():
-            for name, b in module._buffers.items():
-                if b is not None and b.is_meta:
+            for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+                if b.is_meta:
                     raise ConfigError("buffer", f"{type(module).__name__}.{name}",
                                       "was built on the meta device; lazy_init materializes parameters "
                                       "only: create buffers with an explicit device")
@@ -252,9 +252,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         in a bf16 run keeps RoPE exact at long positions (as HF loads keep it). A user who wants
         them in another dtype casts them before wrapping."""
         for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.to(self.device)
+            for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                setattr(module, name, buf.to(self.device))      # a buffer stays a buffer, persistence kept
 
     @contextmanager
     def _on_compute(self, received: torch.Tensor | None = None) -> Iterator[None]:

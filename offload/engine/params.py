@@ -127,8 +127,8 @@ class ChunkedParams:
         torch.random.set_rng_state(record.rng_state)
         try:
             for module in order:
-                own = [(n, p) for n, p in module._parameters.items()
-                       if p is not None and self.owns(p) and id(p) not in done]
+                own = [(n, p) for n, p in module.named_parameters(recurse=False, remove_duplicate=False)
+                       if self.owns(p) and id(p) not in done]
                 if not own:
                     continue
                 if not hasattr(module, "reset_parameters"):
@@ -140,13 +140,13 @@ class ChunkedParams:
                     s = self.ref(p).slot
                     # On the CPU, whatever the default device: the recorded RNG state is the CPU generator's.
                     temps[name] = nn.Parameter(torch.empty(s.shape, device="cpu"), requires_grad=False)
-                    module._parameters[name] = temps[name]
+                    setattr(module, name, temps[name])
                 try:
                     with torch.no_grad():
                         module.reset_parameters()
                 finally:
                     for name, p in own:
-                        module._parameters[name] = p
+                        setattr(module, name, p)
                 for name, p in own:
                     ref = self.ref(p)
                     c = ref.slot.chunk

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
 
@@ -150,18 +151,19 @@ def _materialize_buffers(model: nn.Module, ckpt: Checkpoint) -> None:
     owners = _pretrained_owners(model)
     names = {id(b): n for n, b in model.named_buffers()}
     for module in model.modules():
-        meta = [(n, b) for n, b in module._buffers.items() if b is not None and b.is_meta]
+        meta = [(n, b) for n, b in module.named_buffers(recurse=False, remove_duplicate=False) if b.is_meta]
         if not meta:
             continue
         for n, b in meta:
-            module._buffers[n] = (torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point()
-                                  else torch.zeros(b.shape, dtype=b.dtype))
+            setattr(module, n, torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point()
+                    else torch.zeros(b.shape, dtype=b.dtype))
         owner = owners.get(id(module), model)
         with torch.no_grad():
             owner._init_weights(module)
         for n, b in meta:
             full = names.get(id(b), n)
-            if module._buffers[n].is_floating_point() and torch.isnan(module._buffers[n]).any() \
+            filled = module.get_buffer(n)
+            if filled.is_floating_point() and torch.isnan(filled).any() \
                     and full not in ckpt.tensors:
                 raise OffloadError(f"{ckpt.directory / 'config.json'}: buffer {full!r} of "
                                    f"{type(model).__name__} is neither in the checkpoint nor computed by "
@@ -207,7 +209,7 @@ def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], o
     tied: dict[int, list[tuple[tuple[int, str], str]]] = {}
     modules = dict(model.named_modules(remove_duplicate=False))
     for mname, module in modules.items():
-        for attr, p in module._parameters.items():
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
             if p is not None:
                 full = f"{mname}.{attr}" if mname else attr
                 tied.setdefault(id(p), []).append(((id(module), attr), full))
@@ -220,11 +222,12 @@ def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], o
                                f"config.json has it{also})")
         for key, _ in names:
             where[key] = sources[present[0]]
-    for full, (module, attr) in _persistent_buffers(model).items():
+    for full, (module, attr) in persistent_buffers(model).items():
         if full in sources:
             where[(id(module), attr)] = sources[full]
     for mname, module in modules.items():
-        for attr, p in list(module._parameters.items()) + list(module._buffers.items()):
+        for attr, p in [*module.named_parameters(recurse=False, remove_duplicate=False),
+                        *module.named_buffers(recurse=False, remove_duplicate=False)]:
             source = where.get((id(module), attr))
             if p is not None and source is not None and tuple(source.shape) != tuple(p.shape):
                 full = f"{mname}.{attr}" if mname else attr
@@ -236,15 +239,6 @@ def match_tensors(model: nn.Module, ckpt: Checkpoint) -> dict[tuple[int, str], o
             raise OffloadError(f"{ckpt.tensors[name].file}: tensor {name!r} is not a parameter of the "
                                f"{type(model).__name__} built from config.json")
     return where
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    out = {}
-    for mname, module in model.named_modules():
-        for attr, b in module._buffers.items():
-            if b is not None and attr not in module._non_persistent_buffers_set:
-                out[f"{mname}.{attr}" if mname else attr] = (module, attr)
-    return out
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -317,10 +311,10 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
     seen: set[int] = set()
     with torch.no_grad():
         for (module, attr), source in where.items():
-            if attr in module._buffers:
-                source.copy_into(module._buffers[attr].view(-1))
+            if attr in dict(module.named_buffers(recurse=False)):
+                source.copy_into(module.get_buffer(attr).view(-1))
                 continue
-            p = module._parameters[attr]
+            p = module.get_parameter(attr)
             if id(p) in seen:
                 continue                     # tied: one tensor fills it
             seen.add(id(p))
