@@ -61,11 +61,12 @@ def bench(out: Path, step_json: str) -> dict:
     fig = {"stage": "bench", "machine": machine(), "ran": raw is not None}
     if raw is not None:
         breakdown = raw.get("breakdown") or {}
+        default_tokens = (breakdown.get("run") or {}).get("batch_tokens")     # the --batch-tokens run
         fig.update({"step_s": raw.get("step_s"), "bound_s": raw.get("bound_s"),
                     "step_over_bound": raw.get("bound_ratio"), "bottleneck": breakdown.get("bottleneck"),
                     "bound_terms_s": {k: breakdown.get(k) for k in ("compute_s", "pcie_s", "nvme_s", "adam_s")},
                     "pcie_gbps": {"h2d": breakdown.get("pcie_h2d_gbps"), "d2h": breakdown.get("pcie_d2h_gbps")},
-                    "in_memory_vs_torch": [{"batch_tokens": p.get("batch_tokens", (breakdown.get("run") or {}).get("batch_tokens")),
+                    "in_memory_vs_torch": [{"batch_tokens": p.get("batch_tokens", default_tokens),
                                             "ratio": p.get("ratio")}
                                            for p in [raw.get("in_memory") or {}, *(raw.get("batch_curve") or [])]
                                            if p],
