@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations.store import SPILL_WATERMARK
+from .activations.parking import SPILL_WATERMARK
 from .tiers.budgets import auto_activation_area
 
 ACT_WINDOW_LAYERS = 5
