@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations.area import AUTO_AREA_MIN, AUTO_AREA_SHARE
-from .activations.store import SPILL_WATERMARK
+from .activations.parking import SPILL_WATERMARK
+from .tiers.budgets import auto_activation_area
 
 ACT_WINDOW_LAYERS = 5
 """Layer inputs on the GPU at once when parked: the one in use and ``activation_prefetch`` (4) ahead."""
@@ -52,9 +52,9 @@ class ActivationPlacement:
 
 
 def area_budget(hw, device_budget: int, cpu_budget: int) -> int:
-    """The activation area the engine's "auto" would make (``engine.activation_hooks.area_budget``)."""
-    taken = cpu_budget + (device_budget if hw.gpu_mem is None else 0)
-    return max(int((hw.cpu_mem - taken) * AUTO_AREA_SHARE), AUTO_AREA_MIN)
+    """The activation area the engine's "auto" would make (``tiers.budgets.resolve_budgets``, from
+    the same share of the RAM available at start: ``hw.cpu_mem``, already one rank's share)."""
+    return auto_activation_area(hw.cpu_mem, device_budget, cpu_budget, cpu_compute=hw.gpu_mem is None)
 
 
 def place_activations(cfg, elem: int, mode: str, micro_tokens: int, per_token: dict,

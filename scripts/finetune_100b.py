@@ -444,7 +444,7 @@ def shared_budgets(config, ranks: Ranks):
         from offload.tiers.budgets import compute_device, resolve_budgets
 
         device = compute_device(config)
-        device_budget, cpu_budget = resolve_budgets(config, device)
+        device_budget, cpu_budget, _ = resolve_budgets(config, device)
         if config.device_budget == "auto" and device.type == "cpu":
             device_budget //= ranks.local_world
         if config.cpu_budget == "auto":

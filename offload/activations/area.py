@@ -41,8 +41,3 @@ class ActivationArea:
     def take_peak(self) -> int:
         peak, self.peak = self.peak, self.tier.in_use
         return peak
-
-# "auto" area budget (the engine's and the planner's): this share of the RAM the chunk budgets
-# leave free at start, and at least AUTO_AREA_MIN bytes.
-AUTO_AREA_SHARE = 0.5
-AUTO_AREA_MIN = 64 << 20

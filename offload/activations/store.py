@@ -1,25 +1,14 @@
 """``ActivationStore``: saved tensors parked in the CPU area (and on NVMe), brought back for backward.
 
-``pack`` (called by ``saved_tensors_hooks`` while the wrapped model's forward runs) copies a
-chosen tensor into the area and hands autograd a ``SavedActivation`` instead; autograd then holds
-no reference to the device tensor, so its memory goes back to the allocator once the copy has
-read it. ``unpack`` rebuilds the tensor on the device with its own strides, bit for bit.
-
-Order and overlap. Entries are numbered in the order forward saved them: that is the trace, and
-backward needs them in the reverse order. At the end of forward, and at every unpack, the next
-``prefetch`` entries below are brought back ahead of need: NVMe reads started into the area, and
-with CUDA streams the uploads started on the host-to-device copy stream. When the area is full
-(``"nvme"``), the entries backward needs last — the earliest saved — are written out to NVMe,
-asynchronously, and their area buffers are reused once the writes land. Under ``"cpu"`` a tensor
-that finds no room stays on the device (counted as ``kept``): the area never exceeds its budget.
-
-Copies are ordered the way the chunk store orders its own (``offload.tiers.streams``): a download
-starts on the device-to-host stream after a compute fence (the tensor's producer), the source is
-held until it has landed; an upload into a fresh device tensor starts on the host-to-device
-stream after a compute fence (the block's earlier users) and the download of its bytes, and
-compute waits for the upload's event before it reads the tensor. No host buffer is reused and no
-spill range rewritten before the copy or I/O reading it has finished. Without streams (the CPU is
-the compute device) the copies are synchronous memcpys.
+``pack`` (called by ``saved_tensors_hooks`` while the wrapped model's forward runs) hands
+autograd a ``SavedActivation`` for each offloadable saved tensor. A chosen one — a checkpoint
+boundary (``select.BoundaryFinder``), or any tensor of at least ``min_bytes`` — is copied into the
+area, and autograd then holds no reference to the device tensor, so its memory goes back to the
+allocator once the copy has read it. Whether a tensor is a boundary may be known only a little
+later (after the next module has run): until then its entry is *pending* and holds the device
+tensor, as autograd would; ``claim`` parks it then. ``unpack`` rebuilds a parked tensor on the
+device with its own strides, bit for bit. Where parked bytes wait and how they come back in time
+is ``parking.Parking``'s job.
 
 A tensor autograd saved several times (a layer's input feeds q, k and v; the RoPE tables every
 checkpointed layer is given) is parked once: later packs of the same live, unmodified tensor share
@@ -31,74 +20,26 @@ its device copy lives as long, exactly as the original would have.
 from __future__ import annotations
 
 import threading
-import time
+import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..errors import OffloadError
 from .area import ActivationArea
-from .select import checkpoint_boundary, nbytes, offloadable
-from .spill import ALIGN, SpillSpace, SpillSlot
-
-# Start writing the earliest entries out once the area is fuller than this (nvme): the writes
-# are then done by the time their room is needed, and forward seldom waits for the disk.
-SPILL_WATERMARK = 0.5
-DIRECTIONS = ("device->cpu", "cpu->nvme", "nvme->cpu", "cpu->device")
-
-
-@dataclass(eq=False)
-class Entry:
-    """One parked tensor. ``host``: its bytes in the area; ``slot``: on NVMe; ``device``: back."""
-
-    seq: int
-    size: tuple
-    stride: tuple
-    dtype: torch.dtype
-    nbytes: int
-    host: torch.Tensor | None = None
-    host_ready: object = None            # fence: the download into ``host`` has landed
-    source: torch.Tensor | None = None   # the device tensor, held until the download has read it
-    slot: SpillSlot | None = None
-    write: object = None                 # AIO handle of the spill write in flight
-    read: object = None                  # AIO handle of the read back in flight
-    device: torch.Tensor | None = None
-    upload: object = None                # fence: the upload into ``device`` has landed
-    handles: int = 0
-    key: tuple | None = None
-    origin: object = None                # weakref of the packed tensor (sharing test)
-    version: int = 0
-    released: bool = False
-    write_started: float = 0.0
-    read_started: float = 0.0
-
-
-class SavedActivation:
-    """What autograd holds instead of a parked tensor; freeing it (autograd drops a node's saved
-    tensors after its backward, or the whole graph) releases the entry once no other holds it."""
-
-    __slots__ = ("store", "entry", "__weakref__")
-
-    def __init__(self, store: "ActivationStore", entry: Entry):
-        self.store = store
-        self.entry = entry
-        entry.handles += 1
-
-    def __del__(self):
-        try:
-            self.store._drop_handle(self.entry)
-        except Exception:       # interpreter shutdown: nothing left to give back
-            pass
+from .entry import Entry, SavedActivation
+from .parking import Parking
+from .select import BoundaryFinder, nbytes, offloadable
+from .spill import SpillSpace
 
 
 class ActivationStore:
     """Parks saved tensors of one wrapped model. ``tier``: "cpu" or "nvme" (spills allowed).
 
-    ``streams``: returns the chunk store's copy streams (None: synchronous copies). ``aio`` and
-    ``spill_dirs`` are needed for "nvme". ``min_bytes``: also park saved tensors that are not
-    checkpoint boundaries when at least this big (None: boundaries only).
+    ``streams``: returns the chunk store's copy streams (None: synchronous copies). ``spill`` is
+    needed for "nvme". ``min_bytes``: also park saved tensors that are not checkpoint boundaries
+    when at least this big (None: boundaries only). ``boundaries`` is fed by the engine's hooks.
     """
 
     def __init__(self, device: torch.device, area: ActivationArea, *, tier: str = "cpu",
@@ -114,72 +55,74 @@ class ActivationStore:
         self.streams = streams
         self.spill = spill
         self.min_bytes = min_bytes
-        self.prefetch_depth = prefetch
-        self.tracer = tracer
+        self.parking = Parking(self.device, area, tier, streams, spill, prefetch, tracer)
         self.lock = threading.RLock()
-        self.entries: dict[int, Entry] = {}          # live, by seq
-        self.by_key: dict[tuple, Entry] = {}
+        self.by_key: dict[tuple, Entry] = {}          # every live entry (pending and kept too)
         self._seq = 0
-        self.moved = dict.fromkeys(DIRECTIONS, 0)
+        self.boundaries = BoundaryFinder(self.claim)
         self.kept_bytes = 0
         self.packed = 0
         self.shared = 0
-        self.wait_s = 0.0
+        self.found = 0
+        self.forwards = 0
+        self._warned = False
+
+    @property
+    def entries(self) -> dict[int, Entry]:
+        """The parked entries still alive, by forward order."""
+        return self.parking.entries
 
     # ---- pack / unpack (the saved_tensors_hooks pair) -----------------------------------------
     def wants(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (being packed now) is one this store parks."""
-        if not offloadable(t, self.device):
-            return False
-        if self.min_bytes is not None and nbytes(t) >= self.min_bytes:
-            return True
-        return checkpoint_boundary()
+        """Whether ``t`` (being packed now) is one this store may park."""
+        return offloadable(t, self.device)
 
-    def pack(self, t: torch.Tensor):
-        """A ``SavedActivation`` for ``t``, or ``t`` itself when it stays on the device."""
+    def pack(self, t: torch.Tensor) -> SavedActivation:
+        """A ``SavedActivation`` for ``t``: parked now, pending (``claim`` may park it), or kept."""
         with self.lock:
-            self._reap()
             # A view's base (alive: its memory cannot have been reused) identifies it; autograd
             # saves a fresh view of a layer's input for each projection that reads it.
             origin = t._base if t._base is not None else t
-            key = (t.data_ptr(), t.dtype, tuple(t.size()), tuple(t.stride()))
+            size, stride = tuple(t.size()), tuple(t.stride())
+            key = (t.data_ptr(), t.dtype, size, stride)
             e = self.by_key.get(key)
             if e is not None and not e.released and e.origin() is origin and e.version == t._version:
                 # Backward first needs it where it was saved last: it moves to that place in the order.
-                del self.entries[e.seq]
-                e.seq = self._seq
-                self._seq += 1
-                self.entries[e.seq] = e
-                self.shared += 1
-                return SavedActivation(self, e)
-            size = nbytes(t)
-            room = -(-size // ALIGN) * ALIGN
-            host = self._room(room, below=None)
-            if host is None:
-                self.kept_bytes += size
-                return t
-            e = Entry(self._seq, tuple(t.size()), tuple(t.stride()), t.dtype, size, key=key, version=t._version)
-            self._seq += 1
-            e.host = host
-            e.origin = weakref.ref(origin)
-            flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
-            started = time.perf_counter()
-            streams = self.streams()
-            dst = host[:size].view(t.dtype)
-            if streams is None:
-                dst.copy_(flat)
+                self.shared += e.parked
+                self.parking.renumber(e, self._seq)
             else:
-                e.host_ready = streams.copy(dst, flat, [streams.compute_fence()], upload=False,
-                                            name=f"act {e.seq} d2h")
-                e.source = t
-            self._span(f"park {e.seq}", "device->cpu", started, size)
-            self.moved["device->cpu"] += size
-            self.packed += 1
-            self.entries[e.seq] = e
-            self.by_key[key] = e
-            if self.tier == "nvme":
-                self._spill_over_watermark()
+                e = Entry(self._seq, size, stride, t.dtype, nbytes(t), key=key,
+                          version=t._version, origin=weakref.ref(origin), device=t)
+                self.by_key[key] = e
+            self._seq += 1
+            if e.pending:
+                if self.boundaries.after_no_grad:        # a reentrant checkpoint saving its inputs
+                    self.found += 1
+                    self._park(e)
+                elif self.min_bytes is not None and e.nbytes >= self.min_bytes:
+                    self._park(e)
+                else:
+                    self.boundaries.pending(e)
             return SavedActivation(self, e)
+
+    def claim(self, entries: list) -> None:
+        """``entries`` (pending) are checkpoint boundaries: park them."""
+        with self.lock:
+            for e in entries:
+                if e.pending and not e.released:
+                    self.found += 1
+                    self._park(e)
+
+    def _park(self, e: Entry) -> None:
+        """Copy a pending entry's tensor into the area (it stays on the device when there is no room,
+        or when it was changed in place since it was saved)."""
+        t, e.pending = e.device, False
+        if t._version != e.version:
+            return
+        if self.parking.park(e, t):
+            self.packed += 1
+        else:
+            self.kept_bytes += e.nbytes
 
     def unpack(self, packed):
         if not isinstance(packed, SavedActivation):
@@ -188,222 +131,24 @@ class ActivationStore:
         with self.lock:
             if e.released:
                 raise OffloadError(f"saved activation {e.seq} was already released")
-            if e.device is None:
-                self._bring_back(e, urgent=True)
-            upload, out = e.upload, e.device
-            self._prefetch_below(e.seq)
+            if not e.parked:
+                return e.device            # never left the device
+            out, upload = self.parking.fetch(e)
         streams = self.streams()
         if upload is not None and streams is not None:
             streams.compute_wait(upload)
         return out
 
+    def begin_forward(self) -> None:
+        self.boundaries.reset()
+
     def end_forward(self) -> None:
-        """Forward is done: start bringing back what backward needs first (the last saved)."""
+        """Forward is done: start bringing back what backward needs first (the last saved). What is
+        still pending now stays on the device."""
         with self.lock:
-            self._reap()
-            self._prefetch_below(self._seq)
-
-    # ---- moving an entry ---------------------------------------------------------------------
-    def _room(self, nbytes_: int, below: int | None, for_entry: Entry | None = None) -> torch.Tensor | None:
-        """An area buffer of ``nbytes_``, spilling the earliest entries to NVMe ("nvme") to make
-        room; None when it cannot be had. ``below``: only entries saved before this one may be
-        spilled (in backward, the ones needed after the one being brought back). ``for_entry``:
-        the entry backward needs now: any other may make room for it (backward does not always
-        take saved tensors in exactly the reverse order they were saved)."""
-        area = self.area
-        if nbytes_ > area.budget:
-            return None
-        while not area.can_allocate(nbytes_):
-            self._reap()
-            if area.can_allocate(nbytes_):
-                break
-            writing = [e for e in self.entries.values() if e.write is not None]
-            landing = sum(e.host.numel() for e in writing)
-            if self.tier == "nvme" and landing < area.tier.shortfall(nbytes_):
-                # A prefetch never drops another read-back copy (they would take turns being read).
-                victim = self._spill_victim(below, reread=for_entry is not None)
-                if victim is None and for_entry is not None:
-                    victim = self._spill_victim(None, exclude=for_entry)
-                if victim is not None:
-                    self._make_room_from(victim)
-                    continue
-            if writing:
-                self._finish_write(min(writing, key=lambda x: x.seq), wait=True)
-                continue
-            uploading = [e for e in self.entries.values() if e.host is not None and e.upload is not None]
-            if uploading:
-                self._finish_upload(uploading[0], wait=True)
-                continue
-            reading = [e for e in self.entries.values() if e.read is not None and e is not for_entry]
-            if for_entry is not None and reading:
-                self._finish_read(min(reading, key=lambda x: x.seq), wait=True)   # then it can go
-                continue
-            return None
-        return area.allocate(nbytes_)
-
-    def _spill_victim(self, below: int | None, exclude: Entry | None = None, reread: bool = True) -> Entry | None:
-        """The entry backward needs last among those whose area bytes could go: the earliest
-        saved (before ``below``) that is in the area alone, or (``reread``) whose NVMe copy is
-        already there."""
-        cands = [e for e in self.entries.values() if e.host is not None and e.write is None and e.read is None
-                 and e.device is None and (below is None or e.seq < below) and e is not exclude
-                 and (reread or e.slot is None)]
-        return min(cands, key=lambda x: x.seq) if cands else None
-
-    def _make_room_from(self, e: Entry) -> None:
-        if e.slot is not None:
-            # Read back ahead of need and still on NVMe: let the area bytes go, read again later.
-            self._release_host(e)
-        else:
-            self._start_spill(e)
-
-    def _spill_over_watermark(self) -> None:
-        target = self.area.budget * SPILL_WATERMARK
-        writing = sum(-(-e.nbytes // ALIGN) * ALIGN for e in self.entries.values() if e.write is not None)
-        while self.area.in_use - writing > target:
-            victim = self._spill_victim(None)
-            if victim is None or victim.slot is not None:
-                return
-            self._start_spill(victim)
-            writing += victim.host.numel()
-
-    def _start_spill(self, e: Entry) -> None:
-        self._wait_fence(e, "host_ready")
-        e.source = None
-        e.slot = self.spill.allocate(e.host.numel())
-        e.write = self.spill.aio.write_from(e.host, e.slot.file, e.slot.offset)
-        e.write_started = time.perf_counter()
-
-    def _finish_write(self, e: Entry, wait: bool) -> bool:
-        if not wait and not e.write.done():
-            return False
-        started = time.perf_counter()
-        self.spill.aio.wait([e.write])
-        if wait:
-            self.wait_s += time.perf_counter() - started
-        e.write = None
-        self._span(f"spill {e.seq}", "cpu->nvme", e.write_started, e.nbytes)
-        self.moved["cpu->nvme"] += e.nbytes
-        if e.device is None:        # else brought back meanwhile: the upload frees the bytes
-            self._release_host(e)
-        return True
-
-    def _start_read(self, e: Entry, urgent: bool) -> bool:
-        host = self._room(e.slot.nbytes, below=e.seq, for_entry=e if urgent else None)
-        if host is None:
-            return False
-        e.host = host
-        e.read = self.spill.aio.read_into(host, e.slot.file, e.slot.offset, urgent=urgent)
-        e.read_started = time.perf_counter()
-        return True
-
-    def _finish_read(self, e: Entry, wait: bool) -> bool:
-        if not wait and not e.read.done():
-            return False
-        started = time.perf_counter()
-        self.spill.aio.wait([e.read])
-        if wait:
-            self.wait_s += time.perf_counter() - started
-        e.read = None
-        self._span(f"read back {e.seq}", "nvme->cpu", e.read_started, e.nbytes)
-        self.moved["nvme->cpu"] += e.nbytes
-        return True
-
-    def _bring_back(self, e: Entry, urgent: bool) -> bool:
-        """Start (``urgent``: finish) the way back to the device; False when there was no room."""
-        # An entry still being written out has its area bytes intact: they are used as they are
-        # (the write only reads them too; they are freed once both are done).
-        if e.host is None:
-            if not self._start_read(e, urgent):
-                if not urgent:
-                    return False
-                raise OffloadError(f"no room in the {self.area.budget}-byte activation area to read back "
-                                   f"{e.nbytes} bytes (raise activation_budget)")
-        if e.read is not None:
-            if not urgent and not e.read.done():
-                return True      # the upload starts when it lands (_reap)
-            self._finish_read(e, wait=True)
-        streams = self.streams()
-        if streams is None and not urgent:
-            return True          # a synchronous copy gains nothing by running early
-        started = time.perf_counter()
-        numel = e.nbytes // torch.empty((), dtype=e.dtype).element_size()
-        src = e.host[:e.nbytes].view(e.dtype)
-        if streams is None:
-            out = torch.empty_strided(e.size, e.stride, dtype=e.dtype, device=self.device)
-            out.as_strided((numel,), (1,), 0).copy_(src)
-            e.device = out
-            self._release_host(e)
-        else:
-            with streams.on_compute():
-                out = torch.empty_strided(e.size, e.stride, dtype=e.dtype, device=self.device)
-            after = [streams.compute_fence()] + ([e.host_ready] if e.host_ready is not None else [])
-            e.upload = streams.copy(out.as_strided((numel,), (1,), 0), src, after, upload=True,
-                                    name=f"act {e.seq} h2d")
-            e.device = out
-        self._span(f"bring back {e.seq}", "cpu->device", started, e.nbytes)
-        self.moved["cpu->device"] += e.nbytes
-        return True
-
-    def _finish_upload(self, e: Entry, wait: bool) -> bool:
-        if not wait and not e.upload.query():
-            return False
-        self._wait_fence(e, "upload")
-        self._release_host(e)
-        return True
-
-    def _release_host(self, e: Entry) -> None:
-        """Give the area bytes back, once nothing reads or writes them any more."""
-        if e.host is not None:
-            if e.write is not None:
-                self._finish_write(e, wait=True)
-                if e.host is None:
-                    return
-            if e.read is not None:
-                self._finish_read(e, wait=True)
-            self._wait_fence(e, "upload")
-            self._wait_fence(e, "host_ready")
-            e.source = None
-            self.area.free(e.host)
-            e.host = None
-
-    def _wait_fence(self, e: Entry, name: str) -> None:
-        fence = getattr(e, name)
-        if fence is not None:
-            if not fence.query():
-                started = time.perf_counter()
-                fence.synchronize()
-                self.wait_s += time.perf_counter() - started
-            if name == "host_ready":
-                e.host_ready = None
-
-    def _prefetch_below(self, seq: int) -> None:
-        if self.prefetch_depth == 0:
-            return
-        started = 0
-        for s in sorted((s for s in self.entries if s < seq), reverse=True):
-            e = self.entries[s]
-            if e.device is None and not self._bring_back(e, urgent=False):
-                return
-            started += 1
-            if started >= self.prefetch_depth:
-                return
-
-    def _reap(self) -> None:
-        """Finish what has landed: downloads (drop their sources), spill writes (free their area
-        bytes), reads back (start their uploads), uploads (free their area bytes)."""
-        for e in list(self.entries.values()):
-            if e.source is not None and e.host_ready is not None and e.host_ready.query():
-                e.host_ready = None
-                e.source = None
-            if e.write is not None:
-                self._finish_write(e, wait=False)
-            if e.read is not None and e.read.done():
-                self._finish_read(e, wait=True)
-                if self.streams() is not None:
-                    self._bring_back(e, urgent=False)
-            if e.upload is not None and e.host is not None:
-                self._finish_upload(e, wait=False)
+            self.boundaries.reset()
+            self.forwards += 1
+            self.parking.end_forward(self._seq)
 
     # ---- lifetime ------------------------------------------------------------------------------
     def _drop_handle(self, e: Entry) -> None:
@@ -413,43 +158,52 @@ class ActivationStore:
                 self._release(e)
 
     def _release(self, e: Entry) -> None:
-        """Nobody needs the entry any more: let go of its area bytes, NVMe range and device copy,
-        each once the copy or I/O still using it has finished."""
+        """Nobody needs the entry any more: let go of what it holds (a pending or kept entry, its
+        device tensor; a parked one, its copies once the I/O still using them has finished)."""
         if e.released:
             return
         e.released = True
-        self.entries.pop(e.seq, None)
         if self.by_key.get(e.key) is e:
             del self.by_key[e.key]
-        self._wait_fence(e, "upload")   # before the device tensor it writes may be reused
-        e.device = e.upload = None
-        self._release_host(e)
-        if e.slot is not None:
-            self.spill.free(e.slot)
-            e.slot = None
+        if e.parked:
+            self.parking.forget(e)
+        e.device = None
 
     def close(self) -> None:
         with self.lock:
-            for e in list(self.entries.values()):
+            for e in list(self.parking.entries.values()):
                 self._release(e)
-            if self.spill is not None:
-                self.spill.close()
+            self.parking.close()
 
     # ---- statistics ----------------------------------------------------------------------------
-    def _span(self, name: str, direction: str, started: float, size: int) -> None:
-        if self.tracer is not None:
-            self.tracer.complete(name, "activations", started, time.perf_counter(), f"activations {direction}",
-                                 bytes=size)
-
     def take_stats(self) -> dict:
-        """Bytes moved per direction, tensors parked, and the area's peak since the last call."""
+        """Bytes moved per direction, tensors parked, checkpoint boundaries found, and the area's
+        peak since the last call. ``nothing_parked``: forwards ran and none parked anything (then a
+        warning says, once, what to check)."""
         with self.lock:
-            out = {"tier": self.tier, "bytes": dict(self.moved), "parked": self.packed, "shared": self.shared,
-                   "kept_on_device_bytes": self.kept_bytes, "area_budget": self.area.budget,
-                   "area_peak": self.area.take_peak(), "area_in_use": self.area.in_use,
-                   "nvme_bytes": self.spill.size if self.spill is not None else 0, "wait_s": self.wait_s,
-                   "live": len(self.entries)}
-            self.moved = dict.fromkeys(DIRECTIONS, 0)
-            self.kept_bytes = self.packed = self.shared = 0
-            self.wait_s = 0.0
-            return out
+            moved, wait_s = self.parking.take_moved()
+            out = {"tier": self.tier, "bytes": moved, "parked": self.packed, "shared": self.shared,
+                   "boundaries": self.found, "kept_on_device_bytes": self.kept_bytes,
+                   "area_budget": self.area.budget, "area_peak": self.area.take_peak(),
+                   "area_in_use": self.area.in_use, "nvme_bytes": self.spill.size if self.spill is not None else 0,
+                   "wait_s": wait_s, "live": len(self.entries),
+                   "nothing_parked": self.forwards > 0 and self.packed == 0 and self.shared == 0}
+            self.kept_bytes = self.packed = self.shared = self.found = self.forwards = 0
+        if out["nothing_parked"] and not self._warned:
+            self._warned = True
+            warnings.warn(nothing_parked_message(out, self.min_bytes), RuntimeWarning, stacklevel=3)
+        return out
+
+
+def nothing_parked_message(stats: dict, min_bytes: int | None) -> str:
+    """What a step that parked nothing under activation offload means, and what to check."""
+    head = f"activation_offload={stats['tier']!r} parked nothing in this step"
+    if stats["kept_on_device_bytes"]:
+        return (f"{head}: the {stats['kept_on_device_bytes']} bytes chosen to park found no room in the "
+                f"{stats['area_budget']}-byte activation area; raise activation_budget or use 'nvme'")
+    bigger = "" if min_bytes is None else f" and no saved tensor reached activation_min_bytes={min_bytes}"
+    return (f"{head}: no tensor saved for backward was a checkpointed layer's input{bigger}. Is "
+            "torch.utils.checkpoint used (Hugging Face: model.gradient_checkpointing_enable(); "
+            "offload.models: model.gradient_checkpointing = True), with its layers inside the wrapped "
+            "model and not under other saved_tensors_hooks (save_on_cpu, HF's offload=True)? Without "
+            "checkpointing, activation_min_bytes parks every saved tensor of at least that size.")

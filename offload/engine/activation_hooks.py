@@ -9,29 +9,16 @@ says so (``OffloadConfig.activation_offload``).
 from __future__ import annotations
 
 from ..activations import ActivationArea, ActivationStore, SpillSpace
-from ..activations.area import AUTO_AREA_MIN, AUTO_AREA_SHARE
-from ..config import OffloadConfig
 from ..errors import ConfigError
 
 
-def area_budget(config: OffloadConfig, device_type: str, device_budget: int, cpu_budget: int) -> int:
-    """Bytes of the CPU activation area (``activation_budget``, "auto" resolved)."""
-    if config.activation_budget != "auto":
-        return int(config.activation_budget)
-    import psutil
-
-    taken = cpu_budget + (device_budget if device_type == "cpu" else 0)
-    left = psutil.virtual_memory().available - taken
-    return max(int(left * AUTO_AREA_SHARE), AUTO_AREA_MIN)
-
-
-def make_activation_store(engine) -> ActivationStore | None:
-    """The engine's activation store, or None when ``activation_offload`` is "none"."""
+def make_activation_store(engine, budget: int) -> ActivationStore | None:
+    """The engine's activation store over an area of ``budget`` bytes (``Budgets.activations``,
+    resolved at start with the other budgets), or None when ``activation_offload`` is "none"."""
     config = engine.config
     tier = config.activation_tier
     if tier == "none":
         return None
-    budget = area_budget(config, engine.device.type, engine.device_budget, engine.cpu_budget)
     cuda = engine.device.type == "cuda"
     area = ActivationArea(budget, pin=cuda and config.pin_memory)
     spill = None

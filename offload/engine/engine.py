@@ -57,8 +57,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.tracer = Tracer()
         # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
         self.dp = Sharding.from_process_group()
-        device_budget, cpu_budget = resolve_budgets(config, self.device,
-                                                    self.dp.local_world if self.dp is not None else 1)
+        budgets = resolve_budgets(config, self.device, self.dp.local_world if self.dp is not None else 1)
+        device_budget, cpu_budget = budgets.device, budgets.cpu
         if self.dp is not None:
             # The chunk size follows the budgets: every rank must build the same layout.
             device_budget, cpu_budget = agreed_budgets(device_budget, cpu_budget)
@@ -162,7 +162,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.fwd_tail_wait_s = 0.0
         self.fwd_wait_start = 0.0
         self.fwd_started = time.perf_counter()
-        self.activations = make_activation_store(self)
+        self.activations = make_activation_store(self, budgets.activations)
         self.saved = SavedParameterViews(self.params, self.device, self.activations)
         self.last_stats: dict = {}
         self._closed = False

@@ -121,6 +121,7 @@ class ModuleHooks:
             if outer in self.discovering:
                 self.called_within[outer].add(module)
         self.active.append(module)
+        self.saved.module_started(module, self.grad_counts[module] > 0, args)
         self.fwd_pinned.append((module, chunks, time.perf_counter()))
         if self.gpu_timeline is not None:
             self.gpu_timeline.start(("forward", module))
@@ -151,6 +152,7 @@ class ModuleHooks:
     def _post_forward(self, module: nn.Module, args, output):
         if self.in_backward:
             return output
+        self.saved.module_ended(module)
         for i in range(len(self.fwd_pinned) - 1, -1, -1):
             if self.fwd_pinned[i][0] is module:
                 _, chunks, started = self.fwd_pinned.pop(i)

@@ -5,7 +5,10 @@ and the tier's pool hands those buffers to other chunks once a chunk is evicted.
 wrapped model's forward runs, a saved tensor that lives in an attached parameter chunk is stored
 as (chunk, offset, size, stride) and rebuilt from wherever the chunk is on the device when
 backward needs it. Any other saved tensor goes on to the activation store, when there is one
-(``offload.activations``: it parks the ones ``activation_offload`` chooses off the device).
+(``offload.activations``: it parks the ones ``activation_offload`` chooses off the device). The
+store tells checkpoint boundaries from the other saved tensors by the order in which this hook and
+the engine's module hooks run (``activations.select``): so every pack is counted, and the forward
+module hooks report here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..activations import module_saves
 from .params import ChunkedParams
 
 
@@ -34,10 +38,13 @@ class SavedParameterViews:
         self.params = params
         self.device = device
         self.activations = activations
+        self.boundaries = activations.boundaries if activations is not None else None
         self._hooks = None
 
     def enter(self) -> None:
         self.exit()     # a forward that raised never reached its exit
+        if self.activations is not None:
+            self.activations.begin_forward()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
@@ -48,7 +55,18 @@ class SavedParameterViews:
             if self.activations is not None:
                 self.activations.end_forward()
 
+    def module_started(self, module, trainable: bool, args) -> None:
+        """A hooked module's forward starts (``trainable``: it owns trainable parameters)."""
+        if self._hooks is not None and self.boundaries is not None:
+            self.boundaries.module_started(module, module_saves(trainable, args))
+
+    def module_ended(self, module) -> None:
+        if self._hooks is not None and self.boundaries is not None:
+            self.boundaries.module_ended(module)
+
     def pack(self, t: torch.Tensor):
+        if self.boundaries is not None:
+            self.boundaries.packed()
         if t.device != self.device or t.layout != torch.strided:
             return t
         try:

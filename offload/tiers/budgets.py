@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..config import OffloadConfig
@@ -11,6 +13,19 @@ from ..config import OffloadConfig
 AUTO_DEVICE_SHARE_CUDA = 0.5
 AUTO_DEVICE_SHARE_CPU = 0.25
 AUTO_CPU_SHARE = 0.5
+# The "auto" activation area (the engine's and the planner's): this share of the RAM the chunk
+# budgets leave of this process's share at start, and at least AUTO_AREA_MIN bytes.
+AUTO_AREA_SHARE = 0.5
+AUTO_AREA_MIN = 64 << 20
+
+
+class Budgets(NamedTuple):
+    """Bytes of each budget, "auto" resolved."""
+
+    device: int
+    cpu: int
+    activations: int
+    """The CPU activation area (``offload.activations``), used when activation offload is on."""
 
 
 def compute_device(config: OffloadConfig) -> torch.device:
@@ -19,9 +34,13 @@ def compute_device(config: OffloadConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_budgets(config: OffloadConfig, device: torch.device, local_world: int = 1) -> tuple[int, int]:
-    """``(device_budget, cpu_budget)`` in bytes. ``local_world``: processes sharing this host's
-    memory (ranks on one node); "auto" host budgets are this process's share of it."""
+def resolve_budgets(config: OffloadConfig, device: torch.device, local_world: int = 1) -> Budgets:
+    """The device, CPU and activation-area budgets in bytes. ``local_world``: processes sharing
+    this host's memory (ranks on one node); "auto" host budgets are this process's share of it.
+
+    Available memory is read once, here, before any budget is allocated: every "auto" budget is
+    a share of the same figure (read again later, it would already be missing what the engine
+    took since)."""
     import psutil
 
     available = psutil.virtual_memory().available // max(1, local_world)
@@ -37,7 +56,19 @@ def resolve_budgets(config: OffloadConfig, device: torch.device, local_world: in
     else:
         taken = device_budget if device.type == "cpu" else 0
         cpu_budget = max(int((available - taken) * AUTO_CPU_SHARE), 1 << 20)
-    return device_budget, cpu_budget
+    if config.activation_budget != "auto":
+        area = int(config.activation_budget)
+    else:
+        area = auto_activation_area(available, device_budget, cpu_budget, cpu_compute=device.type == "cpu")
+    return Budgets(device_budget, cpu_budget, area)
+
+
+def auto_activation_area(available: int, device_budget: int, cpu_budget: int, *, cpu_compute: bool) -> int:
+    """The "auto" activation area in bytes: ``AUTO_AREA_SHARE`` of the host memory ``available``
+    to this process (bytes, measured before anything was allocated) that the CPU budget, and the
+    device budget when the compute device is the CPU itself, leave; at least ``AUTO_AREA_MIN``."""
+    taken = cpu_budget + (device_budget if cpu_compute else 0)
+    return max(int((available - taken) * AUTO_AREA_SHARE), AUTO_AREA_MIN)
 
 
 def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int | None = None) -> int:

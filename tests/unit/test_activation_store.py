@@ -12,9 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.checkpoint import checkpoint
 
-from offload.activations import ActivationArea, ActivationStore, SpillSpace, checkpoint_boundary, offloadable
+from offload.activations import ActivationArea, ActivationStore, SpillSpace, offloadable
 from offload.aio import AsyncIO
 from offload.config import AioConfig
 
@@ -25,6 +24,9 @@ CPU = torch.device("cpu")
 
 
 def make_store(budget=1 << 20, tier="cpu", spill_dir=None, **kw):
+    """A store that parks every tensor it is given (``min_bytes=0``): these tests are about parking
+    itself; which saved tensors are chosen has its own tests (test_activation_boundaries)."""
+    kw.setdefault("min_bytes", 0)
     spill = None
     if tier == "nvme":
         spill = SpillSpace([str(spill_dir)], AsyncIO(AioConfig()), "test", segment_min=1 << 20)
@@ -75,10 +77,10 @@ def test_nvme_spills_stay_within_the_area_budget(disk_tmp, sizes, budget_pages, 
     del t
     stats = store.take_stats()
     assert stats["area_peak"] <= budget
-    parked = sum(t.numel() * 4 for t, p in zip(tensors, packed) if not isinstance(p, torch.Tensor))
+    parked = sum(t.numel() * 4 for t, p in zip(tensors, packed) if p.entry.parked)
     assert stats["bytes"]["device->cpu"] == stats["bytes"]["cpu->device"] == parked
     assert stats["kept_on_device_bytes"] == sum(t.numel() * 4 for t in tensors) - parked
-    pages = sum(-(-t.numel() * 4 // 4096) * 4096 for t, p in zip(tensors, packed) if not isinstance(p, torch.Tensor))
+    pages = sum(-(-t.numel() * 4 // 4096) * 4096 for t, p in zip(tensors, packed) if p.entry.parked)
     if pages > budget:      # could not all stay in the area: some went to NVMe (and were read back
         assert stats["bytes"]["cpu->nvme"] > 0      # unless still in the area when needed)
     del packed, p
@@ -94,7 +96,8 @@ def test_a_full_cpu_area_keeps_the_tensor_on_the_device():
     store = make_store(budget=8192)
     small, big = torch.randn(1000), torch.randn(5000)
     p_small = store.pack(small)
-    assert store.pack(big) is big                  # 20 KB does not fit beside the 4 KB page
+    p_big = store.pack(big)
+    assert not p_big.entry.parked and store.unpack(p_big) is big     # 20 KB does not fit beside the 4 KB page
     stats = store.take_stats()
     assert stats["kept_on_device_bytes"] == big.numel() * 4 and stats["area_peak"] <= 8192
     assert torch.equal(store.unpack(p_small), small)
@@ -131,7 +134,7 @@ def test_asynchronous_copies_are_ordered_by_their_fences():
     change the values."""
     streams = SimStreams(delay_s=0.003)
     try:
-        store = ActivationStore(CPU, ActivationArea(256 << 10), streams=lambda: streams, prefetch=2)
+        store = ActivationStore(CPU, ActivationArea(256 << 10), streams=lambda: streams, prefetch=2, min_bytes=0)
         tensors = [torch.randn(2000) for _ in range(20)]
         packed = [store.pack(t.clone()) for t in tensors]     # the clones die at once: held as sources
         store.end_forward()
@@ -143,22 +146,6 @@ def test_asynchronous_copies_are_ordered_by_their_fences():
         assert stats["area_peak"] <= 256 << 10 and stats["kept_on_device_bytes"] == 0
     finally:
         streams.close()
-
-
-def test_checkpoint_boundaries_are_told_from_other_saved_tensors():
-    seen = []
-
-    def pack(t):
-        seen.append((tuple(t.shape), checkpoint_boundary()))
-        return t
-
-    lin = torch.nn.Linear(8, 8)
-    x = torch.randn(3, 8, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        h = torch.tanh(x)                                     # saves its output: not a boundary
-        checkpoint(lin, h, use_reentrant=False)
-        checkpoint(lin, h * 2, use_reentrant=True)
-    assert seen == [((3, 8), False), ((3, 8), True), ((3, 8), True)]
 
 
 def test_only_dense_floating_device_tensors_are_offloadable():
