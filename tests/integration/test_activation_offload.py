@@ -21,6 +21,8 @@ from offload.models.llama import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sim_streams import SimStreams  # noqa: E402
+from trajectory import (assert_losses_within_drift, assert_within_drift, float64_twin,  # noqa: E402
+                        train_in_lockstep)
 
 LLAMA = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                     num_kv_heads=2, max_seq_len=32)
@@ -129,18 +131,12 @@ def test_hf_llama_bf16_with_checkpointing(disk_tmp):
 
 def test_offloaded_training_matches_plain_pytorch(disk_tmp):
     ref = builtin(True)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    want = []
-    for ids in batches():
-        loss = ref(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    exact = float64_twin(ref)
+    runs = [(m, torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)) for m in (ref, exact)]
+    want, want_exact = train_in_lockstep(runs, batches(), lambda m, ids: m(ids, labels=ids).loss)
     losses, state, _ = train(builtin(True), config(disk_tmp, "nvme", activation_budget="24KiB"))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0)
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert_losses_within_drift(losses, want, want_exact)
+    assert_within_drift(state, ref.state_dict(), exact.state_dict())
 
 
 def test_bytes_per_step_are_the_checkpointed_layers_inputs(disk_tmp):
