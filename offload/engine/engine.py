@@ -52,7 +52,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
     def __init__(self, model: nn.Module, config: OffloadConfig):
         self.model = model
         self.config = config
-        self.device = compute_device(config)
+        # Under torchrun, this rank's own GPU (see compute_device): before anything touches CUDA.
+        self.device = compute_device(config, [*model.parameters(), *model.buffers()])
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
         # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
