@@ -188,7 +188,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
 
         failure.install(self.dp.rank)
         self.comm_device = collective_device()
-        self.comms = Collectives(self.dp)
+        self.comms = Collectives(self.dp, streams=self.store.streams, device=self.device)
         self.gather = GroupGather(self, self.comms, prefetch=1 if self.config.prefetch_depth > 0 else 0)
         self.reducer = GradReducer(self, self.comms)
         self.params.ensure = self.gather.ensure
@@ -315,6 +315,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             self.adam.drain()       # updates still queued from the last step: finish, or report their error
         finally:
             self.adam.close()
+            if self.comms is not None:
+                self.comms.close()
             if self.activations is not None:
                 self.activations.close()
             nvme = self.store.tiers.get("nvme")
