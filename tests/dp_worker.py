@@ -2,10 +2,13 @@
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (see tests/dp_launch.py).
 
 SPEC: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
-"out": path prefix, "seed", "checkpointing"}. Each rank trains TinyGPT on its 1/N slice of the
-same global batches the single-process reference sees and writes ``<out>.rank<r>.pt``:
-its per-step losses, its statistics, and (every rank, through the collective state_dict) the
-final fp32 parameters. ``fail_at``: [rank, step] — that rank raises inside backward then.
+"out": path prefix, "seed", "checkpointing", "backend", "set_device"}. Each rank trains TinyGPT
+on its 1/N slice of the same global batches the single-process reference sees and writes
+``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the warnings
+wrap gave, and (every rank, through the collective state_dict) the final fp32 parameters.
+``fail_at``: [rank, step] — that rank raises inside backward then. ``backend``: "gloo" (default)
+or "nccl" (a GPU per rank; ``set_device``: the worker makes cuda:LOCAL_RANK current itself, as
+torchrun scripts should, else the engine has to).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,7 +44,10 @@ class FailInBackward(torch.autograd.Function):
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    backend = spec.get("backend", "gloo")
+    if backend == "nccl" and spec.get("set_device"):
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=spec.get("timeout_s", 60)))
     torch.manual_seed(spec.get("seed", 0))
     config = offload.OffloadConfig(**spec["config"])
@@ -57,8 +64,11 @@ def main(spec_path: str) -> None:
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in spec.get("freeze", ())):
             p.requires_grad_(False)
-    model = offload.wrap(model, config)
-    init_state = {k: v.clone() for k, v in model.state_dict().items()} if spec.get("init_state") else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = offload.wrap(model, config)
+    device = model.offload_engine.device
+    init_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if spec.get("init_state") else None
     module = torch.nn.parallel.DistributedDataParallel(model) if spec.get("ddp") else model
     opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
                         max_grad_norm=spec.get("clip"))
@@ -87,29 +97,32 @@ def main(spec_path: str) -> None:
             model.load_state_dict(model_state)
             opt.load_state_dict(opt_state)
             module = model
-        total = torch.zeros(())
+        total = 0.0
         for _ in range(accumulate):
             x, y = next(data)
             n = x.shape[0] // world
-            x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+            x, y = x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device)
             loss = (module(x, labels=y).loss if llama else module(x, y)) / accumulate
             if step == spec.get("overflow_at") and rank == spec.get("overflow_rank", rank):
                 loss = loss * float("inf")
             if rank == fail_rank and step == fail_step:
                 loss = FailInBackward.apply(loss)
             loss.backward()
-            total += loss.detach()
+            total += float(loss.detach())
         opt.step()
         opt.zero_grad()
         losses.append(float(total))
         stats.append(model.offload_stats())
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     engine = model.offload_engine
     nvme = engine.store.tiers.get("nvme")
     torch.save({"losses": losses, "stats": stats, "state": state, "init_state": init_state, "step_count": engine.step_count,
                 "skipped": engine.scaler.skipped if engine.scaler is not None else 0,
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
-                "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else []},
+                "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else [],
+                "device": str(engine.device),
+                "current_device": torch.cuda.current_device() if engine.device.type == "cuda" else None,
+                "warnings": [str(w.message) for w in caught]},
                f"{spec['out']}.rank{rank}.pt")
     model.offload_engine.close()
     dist.destroy_process_group()

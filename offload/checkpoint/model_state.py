@@ -113,17 +113,21 @@ def layout_entries(engine) -> list[list]:
     return [[s.name, s.chunk, s.offset, s.numel, list(s.shape)] for s in engine.layout.slots]
 
 
-def pipelined(items: list, fetch, consume) -> None:
+def pipelined(items: list, fetch, consume, device: torch.device | None = None) -> None:
     """``consume(i, fetch(i, buf))`` for each item, fetching item i+1 on a thread while item i is consumed.
 
     ``fetch`` fills one of two alternating buffers; item i's buffer is reused by item i+2 only
-    after ``consume(i)`` returned.
+    after ``consume(i)`` returned. ``device``: the engine's, when ``fetch`` copies from it (the
+    thread makes it current first).
     """
     from concurrent.futures import ThreadPoolExecutor
 
+    from ..tiers.streams import use_device
+
     if not items:
         return
-    with ThreadPoolExecutor(1, thread_name_prefix="offload-ckpt") as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="offload-ckpt", initializer=use_device,
+                            initargs=(device if device is not None else torch.device("cpu"),)) as pool:
         future = pool.submit(fetch, 0)
         for i in range(len(items)):
             result = future.result()

@@ -183,7 +183,7 @@ def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
     try:
         for kind in kinds:     # inside the try: a failed open closes the others
             writers[kind] = KindWriter(where / f"{kind}.bin")
-        pipelined(items, fetch, consume)
+        pipelined(items, fetch, consume, engine.device)     # fetch copies from the GPU
     finally:
         for w in writers.values():
             w.close()

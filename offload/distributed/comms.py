@@ -1,12 +1,31 @@
 """The collectives the engine issues, through torch.distributed, with their bytes counted.
 
-Every collective is started asynchronously (``async_op=True``: NCCL runs it on its own stream,
-gloo on its own thread) and waited for where its data is needed, through ``wait``. Bytes are
-counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): an all-gather
-or reduce-scatter of N pieces of b bytes moves (N-1)·b in and out of each rank; a broadcast or
-reduce of b bytes (N-1)/N·b (a pipelined ring: every rank but one receives b, every rank but
-one sends it; N of them, one rooted at each rank, move what one all-gather does); an
-all-reduce 2(N-1)/N of its size.
+**Order.** Every rank must issue the same collectives in the same order (NCCL and gloo both pair
+them by position). All of the engine's are issued by one thread per rank, the communication thread
+(``offload-comm``), in the order they were submitted (``submit``): the order of the training
+loop, the same on every rank. A job may first wait for what is this rank's own to finish — its
+chunk's Adam update, an NVMe read — which delays the collective but never reorders it, so the
+thread that submitted it (compute) goes on and waits (``wait``) only where it needs the data.
+Nothing a job waits for waits in turn for a collective submitted after it, so no rank can hold
+up another's progress through the queue: the k-th collective of every rank is issued once each
+rank's jobs up to k have met their own inputs.
+
+**Streams.** On a GPU each collective starts *and* is waited for on the engine's compute stream
+(``streams.on_compute``), whichever thread issues or waits: NCCL's stream then waits for what
+compute queued before it (the writes into the buffers it sends), and compute for the collective.
+With gloo on the CPU, ``wait`` blocks the waiting thread instead.
+
+**No hidden temporaries.** Parameter chunks are gathered by one broadcast per chunk from its
+owner, gradients summed by one reduce per chunk to its owner: each lands in the chunk's own
+budgeted buffer. The list forms of all_gather / reduce_scatter over a group of separate chunk
+buffers would have NCCL stage them in a world × chunk flat temporary outside every budget; N
+broadcasts (reduces), one rooted at each rank, move the same bus bytes as one all-gather
+(reduce-scatter) of the group. (Slicing every chunk over the ranks, with all_gather_into_tensor
+into the chunk's own buffer, is the next step; see DESIGN.md.)
+
+**Bytes** are counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): a
+broadcast or reduce of b bytes moves (N-1)/N·b (a pipelined ring: every rank but one receives b,
+every rank but one sends it); an all-reduce 2(N-1)/N of its size.
 
 A failed collective (a dead peer, a timeout) becomes a ``DistributedError`` naming this rank,
 the collective, and the failed rank when that rank left its name in the process group's store
@@ -15,15 +34,23 @@ the collective, and the failed rank when that rank left its name in the process 
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import Counter
-from typing import Sequence
+from concurrent.futures import Future
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+from ..tiers.streams import use_device
 from . import failure
 from .sharding import Sharding
+
+# A job: waits for this rank's own inputs, starts collectives, returns their works.
+Job = Callable[[], list]
 
 
 def collective_device(group=None) -> torch.device:
@@ -34,68 +61,121 @@ def collective_device(group=None) -> torch.device:
 
 
 class Collectives:
-    def __init__(self, sharding: Sharding):
+    """The engine's collectives over ``sharding``'s group, issued in submission order by the
+    communication thread. ``streams``: the engine's CUDA streams (None on the CPU); ``device``:
+    the engine's, made current on the communication thread."""
+
+    def __init__(self, sharding: Sharding, *, streams=None, device: torch.device = torch.device("cpu")):
         self.sharding = sharding
         self.world = sharding.world
         self.group = sharding.group
+        self.streams = streams
+        self.device = torch.device(device)
         self.bytes_by_op: Counter = Counter()
         self.ops = 0
+        self._count_lock = threading.Lock()     # counted on the communication thread, taken on another
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    # ---- the collectives ---------------------------------------------------------------
-    def all_gather(self, outputs: Sequence[torch.Tensor], own: torch.Tensor):
-        """``outputs[r]`` gets rank r's ``own`` (equal sizes); ``own`` may be ``outputs[rank]``."""
-        self._count("all_gather", (self.world - 1) * _nbytes(own))
-        return self._call("all_gather", lambda: dist.all_gather(list(outputs), own, group=self.group, async_op=True))
+    # ---- submitting and waiting -----------------------------------------------------------
+    def submit(self, job: Job) -> Future:
+        """Run ``job`` on the communication thread after every job submitted before it; the
+        future's result is the list of works it started (its error, if it raised)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="offload-comm", daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._jobs.put((future, job))
+        return future
 
-    def broadcast(self, tensor: torch.Tensor, src: int):
-        self._count("broadcast", (self.world - 1) * _nbytes(tensor) // self.world)
-        return self._call(f"broadcast from rank {src}",
-                          lambda: dist.broadcast(tensor, src, group=self.group, async_op=True))
+    def wait(self, pending: Future | None, what: str) -> None:
+        """Wait until ``pending``'s collectives are done for this thread's compute: raises the
+        job's own error, or a ``DistributedError`` for a failed collective."""
+        if pending is None:
+            return
+        works = pending.result()
+        try:
+            with self._on_compute():
+                for work in works:
+                    work.wait()
+        except Exception as exc:      # DistBackendError, a gloo "Connection closed", a timeout
+            raise self._error(what, exc) from exc
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor]):
-        """Sum ``inputs[r]`` over ranks into rank r's ``output`` (may be ``inputs[rank]``)."""
-        self._count("reduce_scatter", (self.world - 1) * _nbytes(output))
-        return self._call("reduce_scatter",
-                          lambda: dist.reduce_scatter(output, list(inputs), group=self.group, async_op=True))
+    def close(self) -> None:
+        """Stop the communication thread once the jobs submitted so far have run."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
 
-    def reduce(self, tensor: torch.Tensor, dst: int):
+    # ---- the collectives: submitted (any thread) ---------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Future:
+        return self.submit(lambda: [self.start_broadcast(tensor, src)])
+
+    def reduce(self, tensor: torch.Tensor, dst: int) -> Future:
         """Sum ``tensor`` over ranks into rank ``dst``'s (in place)."""
-        self._count("reduce", (self.world - 1) * _nbytes(tensor) // self.world)
-        return self._call(f"reduce to rank {dst}", lambda: dist.reduce(tensor, dst, group=self.group, async_op=True))
+        return self.submit(lambda: [self.start_reduce(tensor, dst)])
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In place and waited for (small tensors: norms, flags)."""
-        self._count("all_reduce", 2 * (self.world - 1) * _nbytes(tensor) // self.world)
-        work = self._call("all_reduce", lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
-        self.wait(work, "all_reduce")
+        self.wait(self.submit(lambda: [self.start_all_reduce(tensor, op)]), "all_reduce")
         return tensor
 
-    def wait(self, work, what: str) -> None:
-        if work is None:
-            return
-        try:
-            work.wait()
-        except Exception as exc:      # DistBackendError, a gloo "Connection closed", a timeout
-            raise self._error(what, exc) from exc
+    # ---- the collectives: started by a job, on the communication thread -----------------------
+    def start_broadcast(self, tensor: torch.Tensor, src: int):
+        return self._start("broadcast", (self.world - 1) * _nbytes(tensor) // self.world,
+                           lambda: dist.broadcast(tensor, src, group=self.group, async_op=True),
+                           f"broadcast from rank {src}")
+
+    def start_reduce(self, tensor: torch.Tensor, dst: int):
+        return self._start("reduce", (self.world - 1) * _nbytes(tensor) // self.world,
+                           lambda: dist.reduce(tensor, dst, group=self.group, async_op=True),
+                           f"reduce to rank {dst}")
+
+    def start_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
+        return self._start("all_reduce", 2 * (self.world - 1) * _nbytes(tensor) // self.world,
+                           lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
 
     # ---- accounting ----------------------------------------------------------------------
     def take_stats(self) -> dict:
         """Bytes this rank sent (= received, under the bus-bytes model) since the last call."""
-        total = sum(self.bytes_by_op.values())
-        out = {"sent_bytes": total, "received_bytes": total, "by_op": dict(self.bytes_by_op), "ops": self.ops}
-        self.bytes_by_op.clear()
-        self.ops = 0
+        with self._count_lock:
+            total = sum(self.bytes_by_op.values())
+            out = {"sent_bytes": total, "received_bytes": total, "by_op": dict(self.bytes_by_op), "ops": self.ops}
+            self.bytes_by_op.clear()
+            self.ops = 0
         return out
 
     def _count(self, op: str, nbytes: int) -> None:
-        self.bytes_by_op[op] += nbytes
-        self.ops += 1
+        with self._count_lock:
+            self.bytes_by_op[op] += nbytes
+            self.ops += 1
 
-    def _call(self, what: str, start):
+    # ---- internals -------------------------------------------------------------------------
+    def _run(self) -> None:
+        use_device(self.device)
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            future, job = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as exc:    # re-raised in the thread that waits for it
+                future.set_exception(exc)
+
+    def _start(self, op: str, nbytes: int, call, what: str | None = None):
+        self._count(op, nbytes)
         try:
-            return start()
+            with self._on_compute():
+                return call()
         except Exception as exc:
-            raise self._error(what, exc) from exc
+            raise self._error(what or op, exc) from exc
+
+    def _on_compute(self):
+        return self.streams.on_compute() if self.streams is not None else nullcontext()
 
     def _error(self, what: str, exc: Exception) -> DistributedError:
         failed, why = failure.failed_peer()

@@ -1,15 +1,22 @@
-"""Parameter chunks of other ranks, all-gathered a communication group at a time before use.
+"""Parameter chunks of other ranks, gathered a communication group at a time before use.
 
 Every rank must issue the same collectives in the same order, so nothing here depends on
 what a rank's own tiers happen to hold. A group is gathered when one of its chunks is pinned
 and the group is not in the *window* of gathered groups; after it, the groups the last
-iteration's trace says come next are gathered ahead (asynchronously, overlapping compute). The
+iteration's trace says come next are gathered ahead. The
 trace is the order in which groups were asked for in the last whole iteration (the first one
 differs: modules pin their children's chunks too until their first forward has shown which
 ones they use). The
 window keeps ``keep`` groups; beyond that, a group whose chunks no module has pinned is dropped
 (its borrowed chunks freed): the one the trace asks for again latest. Pins, the window and the trace are the same
 on every rank, so are the decisions.
+
+A gather is a job of the communication thread (see ``comms``): there it waits for this rank's
+chunk of the group to be current — its Adam update from the last step done, its bytes read from
+NVMe — and then starts the group's broadcasts. The thread that asked for the group (compute)
+never waits for those inputs of a group gathered *ahead*: it queues the current group's compute
+and waits only when it needs the group itself (``_complete``). Until then this rank's chunk is
+*held* (``holds``): its next update waits for the collective that sends it.
 
 A gathered copy of another rank's chunk is current until its owner updates it: every group
 is dropped when an optimizer update is about to run (``drop_all``), and a prefetch never
@@ -19,6 +26,7 @@ reaches past the end of the iteration into the next one's chunks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 # How far along the trace a prefetch looks for the next groups (entries, not groups).
@@ -28,9 +36,10 @@ LOOKAHEAD = 4
 @dataclass
 class _Gathered:
     chunks: list[int]
-    borrowed: list[tuple[str, int]]        # other ranks' chunks, pinned by us while gathered
+    sending: set[int]                       # ours, held from submission until the collective is done
+    pending: Future | None = None           # the communication thread's job
+    borrowed: list[tuple[str, int]] = field(default_factory=list)  # other ranks' chunks, pinned while gathered
     own: list[tuple[str, int]] = field(default_factory=list)   # ours, pinned while the collective reads it
-    works: list = field(default_factory=list)
 
 
 class GroupGather:
@@ -64,10 +73,12 @@ class GroupGather:
         else:
             self.hits += 1
         self.window.move_to_end(g)
-        self._complete(g)
         if not self._recording or self._recording[-1] != g:
             self._recording.append(g)
+        # The next groups are submitted before this one is waited for: their jobs (after this
+        # one's, in the same order on every rank) wait for their own inputs meanwhile.
         protect = {g} | self._follow_trace(g)
+        self._complete(g)
         self._trim(protect)
 
     def take_stats(self) -> dict:
@@ -76,9 +87,10 @@ class GroupGather:
         return out
 
     def holds(self, c: int) -> bool:
-        """Whether a collective in flight reads this rank's chunk ``c`` (its update must wait)."""
+        """Whether a gather submitted and not yet waited for sends this rank's chunk ``c`` (its
+        update must wait)."""
         entry = self.window.get(self.sharding.group_of(c))
-        return entry is not None and ("param", c) in entry.own
+        return entry is not None and c in entry.sending
 
     def drop_all(self) -> None:
         """Finish what is in flight and free every borrowed chunk (an update is about to run)."""
@@ -89,53 +101,54 @@ class GroupGather:
 
     # ---- internals -------------------------------------------------------------------------
     def _start(self, g: int) -> None:
-        s, store = self.sharding, self.store
-        chunks = s.group_chunks(g, self.engine.layout.num_chunks)
-        entry = _Gathered(chunks, [])
+        """Submit group ``g``'s gather to the communication thread."""
+        chunks = self.sharding.group_chunks(g, self.engine.layout.num_chunks)
+        entry = _Gathered(chunks, {c for c in chunks if self.sharding.owns(c)})
+        entry.pending = self.comms.submit(lambda: self._gather(entry))
+        self.window[g] = entry
+
+    def _gather(self, entry: _Gathered) -> list:
+        """On the communication thread: pin the group's chunks — ours once current, the others'
+        as fresh buffers — and start one broadcast per chunk from its owner (see ``comms`` for why
+        not one all-gather). Each moves its chunk up to its last parameter only: the padding after
+        it is never read by compute (and the owner's copy keeps it)."""
+        s, store, used = self.sharding, self.store, self.engine.layout.used
         views = []
         try:
-            for c in chunks:
+            for c in entry.chunks:
                 key = ("param", c)
-                if s.owns(c):
-                    self.engine._await_update(c)          # contribute the new values, never half-updated ones
+                if c in entry.sending:
+                    # Contribute the new values, never half-updated ones; waiting here holds up
+                    # this collective only, not the thread that computes.
+                    self.engine.adam.wait_for(c)
                     views.append(store.access(key, self.tier))
                     entry.own.append(key)
                 else:
                     views.append(store.access(key, self.tier, overwrite=True))
                     entry.borrowed.append(key)
-            entry.works = self._collectives(chunks, views)
+            return [self.comms.start_broadcast(v[:used[c]], s.owner(c)) for c, v in zip(entry.chunks, views)]
         except BaseException:
             self._release(entry)
             raise
-        self.window[g] = entry
-
-    def _collectives(self, chunks: list[int], views: list) -> list:
-        """One all-gather for a full group of chunks of one size, else one broadcast per chunk.
-        Either moves each chunk up to its last parameter only: the padding after it is never
-        read by compute (and the owner's copy keeps it)."""
-        s, used = self.sharding, self.engine.layout.used
-        if len(chunks) == s.world and len({v.numel() for v in views}) == 1:
-            n = max(used[c] for c in chunks)
-            return [self.comms.all_gather([v[:n] for v in views], views[s.rank][:n])]
-        # A short last group, or an oversized chunk beside bulk ones.
-        return [self.comms.broadcast(v[:used[c]], s.owner(c)) for c, v in zip(chunks, views)]
 
     def _complete(self, g: int) -> None:
         entry = self.window[g]
-        if not entry.works:
+        if entry.pending is None:
             return
-        works, entry.works = entry.works, []
+        pending, entry.pending = entry.pending, None
         try:
-            for work in works:
-                self.comms.wait(work, f"all-gather of parameter chunks {entry.chunks}")
+            self.comms.wait(pending, f"gather of parameter chunks {entry.chunks}")
         except BaseException:
             self.window.pop(g, None)
+            entry.sending = set()
             self._release(entry)
             raise
         own, entry.own = entry.own, []
         for key in own:
             self.store.release(key, self.tier)
-            self.engine._on_unpinned(key[1])       # its update may have been waiting for the collective
+        sent, entry.sending = entry.sending, set()
+        for c in sorted(sent):
+            self.engine._on_unpinned(c)       # its update may have been waiting for the collective
 
     def _follow_trace(self, g: int) -> set[int]:
         """Start gathering the groups that come after ``g`` in the last iteration's order."""

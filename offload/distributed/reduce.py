@@ -1,5 +1,6 @@
-"""Gradients to their owners: a communication group is reduce-scattered once all its chunks'
-gradients are complete, while backward goes on with earlier layers.
+"""Gradients to their owners: a communication group is reduced once all its chunks' gradients
+are complete, while backward goes on with earlier layers — one reduce per chunk to its owner, in
+the chunk's own buffer (see ``comms`` for why not one reduce-scatter).
 
 Only the last micro-batch of an accumulation window reduces (``no_sync`` semantics: the others
 add into each rank's own gradient chunks). A group is reduced when every trainable chunk in it
@@ -61,6 +62,11 @@ class GradReducer:
         or this process ends: see ``failure``.)"""
         held = [c for done in self.finished.values() for c in done]
         held += [c for _, chunks, _, _ in self.in_flight for c in chunks]
+        for *_, pending in self.in_flight:
+            try:        # started, so that none starts on a buffer given back below
+                pending.result()
+            except BaseException:
+                pass    # moot: the backward's own error is on its way up
         for c in held:
             key = ("grad", c)
             with self.store.lock:
@@ -86,26 +92,17 @@ class GradReducer:
         views = [done[c] for c in chunks]
         self.issued.add(g)
         used = self.engine.layout.used
-        try:
-            # Up to each chunk's last parameter: the padding after it is zeros on every rank.
-            if len(chunks) == s.world and len({v.numel() for v in views}) == 1:
-                n = max(used[c] for c in chunks)
-                works = [self.comms.reduce_scatter(views[s.rank][:n], [v[:n] for v in views])]
-            else:   # a short group, frozen chunks in it, or an oversized chunk: one reduce each
-                works = [self.comms.reduce(v[:used[c]], s.owner(c)) for c, v in zip(chunks, views)]
-        except BaseException:
-            for c in chunks:
-                self.store.release(("grad", c), self.tier)
-            raise
-        self.in_flight.append((g, chunks, views, works))
+        # Up to each chunk's last parameter: the padding after it is zeros on every rank.
+        pending = self.comms.submit(lambda: [self.comms.start_reduce(v[:used[c]], s.owner(c))
+                                             for c, v in zip(chunks, views)])
+        self.in_flight.append((g, chunks, views, pending))
         while len(self.in_flight) > self.max_in_flight:
             self._complete(self.in_flight.popleft())
 
     def _complete(self, entry) -> None:
-        g, chunks, views, works = entry
+        g, chunks, views, pending = entry
         try:
-            for work in works:
-                self.comms.wait(work, f"reduce-scatter of gradient chunks {chunks}")
+            self.comms.wait(pending, f"reduce of gradient chunks {chunks}")
         except BaseException:
             for c in chunks:
                 self.store.release(("grad", c), self.tier)

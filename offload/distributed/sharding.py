@@ -2,8 +2,9 @@
 
 Chunks are dealt round-robin: chunk ``c`` belongs to rank ``c % N``, so the N consecutive
 chunks ``g*N .. g*N+N-1`` form *communication group* ``g`` with one chunk per rank (PatrickStar
-and Gemini group them the same way): one all-gather brings a group's parameters to every rank,
-one reduce-scatter takes its gradients to their owners. The owner alone keeps the chunk's
+and Gemini group them the same way): a group's parameters come to every rank together (one
+broadcast per chunk from its owner), and its gradients go to their owners together (one reduce
+per chunk; see ``comms`` for why not one all-gather / reduce-scatter). The owner alone keeps the chunk's
 parameters, fp32 master, Adam moments and NVMe slots; the other ranks hold its parameters only
 while a gathered group is in use, and its gradients only until they are reduced.
 

@@ -52,7 +52,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
     def __init__(self, model: nn.Module, config: OffloadConfig):
         self.model = model
         self.config = config
-        self.device = compute_device(config)
+        # Under torchrun, this rank's own GPU (see compute_device): before anything touches CUDA.
+        self.device = compute_device(config, [*model.parameters(), *model.buffers()])
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
         # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
@@ -187,7 +188,7 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
 
         failure.install(self.dp.rank)
         self.comm_device = collective_device()
-        self.comms = Collectives(self.dp)
+        self.comms = Collectives(self.dp, streams=self.store.streams, device=self.device)
         self.gather = GroupGather(self, self.comms, prefetch=1 if self.config.prefetch_depth > 0 else 0)
         self.reducer = GradReducer(self, self.comms)
         self.params.ensure = self.gather.ensure
@@ -313,6 +314,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
             self.adam.drain()       # updates still queued from the last step: finish, or report their error
         finally:
             self.adam.close()
+            if self.comms is not None:
+                self.comms.close()
             if self.activations is not None:
                 self.activations.close()
             nvme = self.store.tiers.get("nvme")

@@ -26,6 +26,7 @@ import torch
 from ..chunks.states import ChunkState
 from ..errors import OffloadError
 from ..optim.kernel import adam_step
+from ..tiers.streams import use_device
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 # wait_backlog gives up after this long without a single update finishing.
@@ -254,6 +255,9 @@ class ChunkAdam:
             self.drain()
 
     def _run(self) -> None:
+        # First of all: this thread's CUDA calls (event queries, the copies of the chunks it
+        # accesses) go to the engine's GPU, not to GPU 0 where they would create a context.
+        use_device(self.engine.device)
         # The kernel runs on its own pthreads; the few torch ops here stay on this thread. Letting
         # them fork an OpenMP team of their own would give libgomp more threads than cores, and it
         # then stops spinning between parallel regions: every op of forward and backward on the

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+import warnings
+from typing import Iterable, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ..config import OffloadConfig
+from ..errors import ConfigError
 
 # Shares of what is free at start. The rest is left to activations, the CUDA context,
 # torch's own allocations and the rest of the system.
@@ -28,10 +32,49 @@ class Budgets(NamedTuple):
     """The CPU activation area (``offload.activations``), used when activation offload is on."""
 
 
-def compute_device(config: OffloadConfig) -> torch.device:
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
-    return torch.device("cpu")
+def compute_device(config: OffloadConfig, tensors: Iterable = ()) -> torch.device:
+    """The device the engine computes on: the current CUDA device, or the CPU.
+
+    Under a process group whose ranks each see every GPU of their node (torchrun without
+    ``CUDA_VISIBLE_DEVICES`` per process), rank ``LOCAL_RANK`` belongs on ``cuda:LOCAL_RANK``; a loop
+    that never called ``torch.cuda.set_device`` would leave every rank of the node on cuda:0. Then
+    the process moves to its GPU (with a warning) when ``tensors`` (the model's parameters and
+    buffers; only their ``.device`` is read) hold nothing on another GPU, and is refused otherwise.
+    """
+    if not (config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cuda")         # the first use says why there is none
+    rank, local = _local_rank_gpu()
+    current = torch.cuda.current_device()
+    if local is not None and current != local:
+        elsewhere = sorted({t.device.index or 0 for t in tensors
+                            if t.device.type == "cuda" and (t.device.index or 0) != local})
+        if elsewhere:
+            raise ConfigError("device", f"cuda:{current}",
+                              f"rank {rank} (LOCAL_RANK={local}) has model tensors on "
+                              f"{', '.join(f'cuda:{i}' for i in elsewhere)}, not on its own GPU cuda:{local}: "
+                              'call torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) before building '
+                              "the model and the process group")
+        warnings.warn(f"rank {rank} was on cuda:{current}; the engine made cuda:{local} (its LOCAL_RANK) "
+                      'current. Call torch.cuda.set_device(int(os.environ["LOCAL_RANK"])) before building '
+                      "the model and the process group to say so yourself", RuntimeWarning, stacklevel=3)
+        torch.cuda.set_device(local)
+        current = local
+    return torch.device("cuda", current)
+
+
+def _local_rank_gpu() -> tuple[int | None, int | None]:
+    """(rank, ``LOCAL_RANK``) when this process is one rank of several in a process group and
+    sees a GPU of its local rank's index, else (None, None) (also when ``CUDA_VISIBLE_DEVICES``
+    leaves each process one GPU: then cuda:0 is its own)."""
+    local = os.environ.get("LOCAL_RANK", "")
+    if not local.isdigit() or not (dist.is_available() and dist.is_initialized()
+                                   and dist.get_world_size() > 1):
+        return None, None
+    if torch.cuda.device_count() <= int(local):
+        return None, None
+    return dist.get_rank(), int(local)
 
 
 def resolve_budgets(config: OffloadConfig, device: torch.device, local_world: int = 1) -> Budgets:

@@ -106,3 +106,15 @@ class DeviceStreams:
         """Device work issued inside runs on the compute stream, whatever thread issues it."""
         with torch.cuda.stream(self.compute):
             yield
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (nothing for a CPU device).
+
+    A thread starts on CUDA device 0 whatever its process chose: a thread the engine starts
+    (the Adam worker, the communication thread, a checkpoint's fetch thread) calls this first, so
+    that its event queries and copies do not create a context on GPU 0 on every rank of a node.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)

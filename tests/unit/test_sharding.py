@@ -71,17 +71,54 @@ def test_collectives_count_bus_bytes_per_rank(one_rank_group):
     from offload.distributed.comms import Collectives
 
     comms = Collectives(Sharding(0, 1))
-    t = torch.ones(1024)
-    comms.wait(comms.all_gather([t], t), "x")
-    comms.wait(comms.reduce_scatter(t, [t]), "x")
-    comms.all_reduce(torch.ones(4))
-    stats = comms.take_stats()
-    assert stats["ops"] == 3 and stats["sent_bytes"] == 0      # one rank moves nothing
-    comms.world = 4                                            # the arithmetic at four ranks
-    comms._count("all_gather", 3 * 4096)
-    comms._count("broadcast", 3 * 4096 // 4)
-    assert comms.take_stats()["by_op"] == {"all_gather": 12288, "broadcast": 3072}
-    assert comms.take_stats()["ops"] == 0                      # taken: reset
+    try:
+        t = torch.ones(1024)
+        comms.wait(comms.broadcast(t, 0), "x")
+        comms.wait(comms.reduce(t, 0), "x")
+        comms.all_reduce(torch.ones(4))
+        stats = comms.take_stats()
+        assert stats["ops"] == 3 and stats["sent_bytes"] == 0      # one rank moves nothing
+        comms.world = 4                                            # the arithmetic at four ranks
+        comms.wait(comms.broadcast(t, 0), "x")
+        comms.wait(comms.reduce(t, 0), "x")
+        comms.all_reduce(t)
+        assert comms.take_stats()["by_op"] == {"broadcast": 3072, "reduce": 3072, "all_reduce": 6144}
+        assert comms.take_stats()["ops"] == 0                      # taken: reset
+    finally:
+        comms.close()
+
+
+def test_collectives_are_issued_in_submission_order_on_one_thread_with_the_engines_gpu(one_rank_group, monkeypatch):
+    """Jobs run one after another in the order submitted, whichever thread submits them (the
+    order every rank shares), on the communication thread, which first made the engine's GPU
+    current (recorded: there is no GPU here)."""
+    import threading
+
+    from offload.distributed.comms import Collectives
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.current_thread().name, d)))
+    comms = Collectives(Sharding(0, 1), device=torch.device("cuda", 1))
+    try:
+        gate = threading.Event()
+
+        def job(i):
+            def run():
+                if i == 0:
+                    gate.wait(5)        # the first job waits for its inputs: the others queue behind it
+                seen.append((threading.current_thread().name, i))
+                return [comms.start_broadcast(torch.full((4,), float(i)), 0)]
+            return run
+
+        pending = [comms.submit(job(0))]
+        pending += [comms.submit(job(i)) for i in (1, 2)]
+        assert not any(p.done() for p in pending)
+        gate.set()
+        for p in pending:
+            comms.wait(p, "x")
+    finally:
+        comms.close()
+    assert seen == [("offload-comm", 1)] + [("offload-comm", i) for i in range(3)]
 
 
 def test_a_failed_collective_names_this_rank_and_the_collective(one_rank_group):
@@ -94,5 +131,55 @@ def test_a_failed_collective_names_this_rank_and_the_collective(one_rank_group):
         def wait(self):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
-    with pytest.raises(DistributedError, match=r"rank 0: reduce-scatter of gradient chunks \[4, 5\]: .*Connection closed"):
-        comms.wait(Broken(), "reduce-scatter of gradient chunks [4, 5]")
+    try:
+        with pytest.raises(DistributedError, match=r"rank 0: reduce of gradient chunks \[4, 5\]: .*Connection closed"):
+            comms.wait(comms.submit(lambda: [Broken()]), "reduce of gradient chunks [4, 5]")
+    finally:
+        comms.close()
+
+
+def test_collectives_start_and_are_waited_for_on_the_compute_stream(one_rank_group, monkeypatch):
+    """On a GPU, NCCL's stream waits for the stream current where a collective starts, and
+    ``work.wait()`` makes the waiting thread's current stream wait for it: both must be the
+    engine's compute stream, not whatever stream the issuing or waiting thread is on."""
+    import contextlib
+    import threading
+
+    from offload.distributed.comms import Collectives
+
+    class ComputeStream:
+        """Records which threads are inside ``on_compute`` (the protocol of DeviceStreams)."""
+
+        def __init__(self):
+            self.inside: set[int] = set()
+
+        @contextlib.contextmanager
+        def on_compute(self):
+            self.inside.add(threading.get_ident())
+            try:
+                yield
+            finally:
+                self.inside.discard(threading.get_ident())
+
+    streams = ComputeStream()
+    seen = []
+    real_broadcast = dist.broadcast
+
+    def broadcast(*args, **kwargs):
+        seen.append(("start", threading.get_ident() in streams.inside))
+        work = real_broadcast(*args, **kwargs)
+        real_wait = work.wait
+
+        class Work:
+            def wait(self):
+                seen.append(("wait", threading.get_ident() in streams.inside))
+                return real_wait()
+        return Work()
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    comms = Collectives(Sharding(0, 1), streams=streams)
+    try:
+        comms.wait(comms.broadcast(torch.ones(8), 0), "x")
+    finally:
+        comms.close()
+    assert seen == [("start", True), ("wait", True)]

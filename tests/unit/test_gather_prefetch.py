@@ -1,0 +1,111 @@
+"""The data-parallel prefetch never holds up the thread that asked for a group.
+
+After ``ensure(c)`` has the current group, it starts gathering the group the trace says comes
+next. That group's own chunk may still be in its Adam update from the last step (or on NVMe): the
+demanding thread must not wait for it there, before the current group's compute is even queued.
+A real engine, a real one-rank gloo group and the engine's real Adam worker; the next chunk's
+update is held by an event until ``ensure`` has returned.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import offload
+from offload.distributed import Sharding
+from offload.distributed.comms import Collectives
+from offload.distributed.gather import GroupGather
+
+HELD_S = 5.0        # how long the held update waits for ensure() before giving up
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def engine():
+    torch.manual_seed(0)
+    model = offload.wrap(nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]),
+                         offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="1MiB",
+                                               cpu_budget="1MiB", chunk_size=2048))
+    engine = model.offload_engine
+    assert engine.layout.num_chunks >= 2
+    yield engine
+    engine.close()
+
+
+def test_ensure_returns_while_the_next_groups_update_is_still_running(one_rank_group, engine, monkeypatch):
+    comms = Collectives(Sharding(0, 1))
+    gather = GroupGather(engine, comms)
+    n = engine.layout.num_chunks
+    gather.begin_iteration()
+    for c in range(n):          # the first iteration: the trace is recorded
+        gather.ensure(c)
+    gather.drop_all()
+    gather.take_stats()
+    gather.begin_iteration()
+
+    events = []
+    let_go = threading.Event()
+    real_update = engine.adam.update
+
+    def held_update(c, runs, grad_scale):
+        if c == 1:
+            if not let_go.wait(HELD_S):
+                events.append("update held for nothing: ensure() waited for it")
+            events.append("update 1 done")
+        return real_update(c, runs, grad_scale)
+
+    monkeypatch.setattr(engine.adam, "update", held_update)
+    engine.adam.submit(1, [], 1.0)          # chunk 1's update from the last step, still running
+    try:
+        gather.ensure(0)                    # starts gathering group 1 ahead
+        events.append("ensure(0) returned")
+        assert gather.holds(1)              # its update may not start again while the gather reads it
+        let_go.set()
+        gather.ensure(1)                    # now it is waited for: after the update
+        assert events == ["ensure(0) returned", "update 1 done"]
+        assert not engine.adam.pending(1)
+        assert gather.take_stats() == {"gather_hits": 1, "gather_misses": 1}
+    finally:
+        let_go.set()
+        engine.adam.drain()
+        gather.drop_all()
+        comms.close()
+
+
+def test_a_failed_prefetch_is_reported_to_the_thread_that_needs_the_group(one_rank_group, engine, monkeypatch):
+    """The prefetch runs elsewhere; its error (here the optimizer's, met while waiting for the
+    update) reaches the thread that asks for the group, not a log."""
+    comms = Collectives(Sharding(0, 1))
+    gather = GroupGather(engine, comms)
+    gather.begin_iteration()
+    for c in range(engine.layout.num_chunks):
+        gather.ensure(c)
+    gather.drop_all()
+    gather.begin_iteration()
+
+    def failing_update(c, runs, grad_scale):
+        raise RuntimeError("the update of chunk 1 failed")
+
+    monkeypatch.setattr(engine.adam, "update", failing_update)
+    engine.adam.submit(1, [], 1.0)
+    try:
+        gather.ensure(0)
+        with pytest.raises(offload.errors.OffloadError, match="chunk 1 failed"):
+            gather.ensure(1)
+        assert not gather.holds(1)
+    finally:
+        gather.drop_all()
+        comms.close()
