@@ -19,6 +19,8 @@ from offload import OffloadError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_gpt import TinyGPT, batches  # noqa: E402
+from trajectory import (assert_losses_within_drift, assert_run_within_drift, assert_within_drift,  # noqa: E402
+                        drift, float64_twin, train_in_lockstep)
 
 
 def cfg(path, **kw):
@@ -59,27 +61,18 @@ class Branchy(nn.Module):
 def test_changed_control_flow_retraces_and_stays_correct(disk_tmp):
     torch.manual_seed(0)
     ref = Branchy()
+    exact = float64_twin(ref)
     model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, chunk_size=4096, device_budget="96KiB",
                                                  cpu_budget="96KiB"))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    runs = [(model, offload.AdamW(model.parameters(), lr=1e-2))]
+    runs += [(m, torch.optim.AdamW(m.parameters(), lr=1e-2)) for m in (ref, exact)]
     gen = torch.Generator().manual_seed(1)
     skips = [set(), set(), {1, 4}, {1, 4}, set(), {0}, set(), set()]
-    for skip in skips:
-        x = torch.randn(8, 64, generator=gen)
-        losses = []
-        for m, o in ((ref, opt_ref), (model, opt)):
-            loss = m(x, skip)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
+    data = [(torch.randn(8, 64, generator=gen), skip) for skip in skips]
+    losses = train_in_lockstep(runs, data, lambda m, b: m(b[0].double() if m is exact else b[0], b[1]))
     stats = model.offload_stats()
     assert stats["retraces"] >= 2
-    got = model.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    assert_run_within_drift((model, losses[0]), (ref, losses[1]), (exact, losses[2]))
     model.offload_engine.close()
 
 
@@ -129,37 +122,40 @@ def test_unwrapped_params_behave_as_cpu_adamw(disk_tmp):
     torch.manual_seed(0)
     extra = nn.Parameter(torch.randn(10))
     extra_ref = nn.Parameter(extra.detach().clone())
+    extra_exact = nn.Parameter(extra.detach().double())
     model = offload.wrap(TinyGPT(), cfg(disk_tmp))
     opt = offload.AdamW([{"params": model.parameters()}, {"params": [extra], "lr": 0.1}], lr=1e-3)
-    ref_opt = torch.optim.AdamW([extra_ref], lr=0.1)
+    ref_opts = [torch.optim.AdamW([p], lr=0.1) for p in (extra_ref, extra_exact)]
     for x, y in batches(3):
         (model(x, y) + extra.pow(2).sum()).backward()
-        extra_ref.pow(2).sum().backward()
         opt.step()
-        ref_opt.step()
         opt.zero_grad()
-        ref_opt.zero_grad()
-    torch.testing.assert_close(extra.detach(), extra_ref.detach(), rtol=1e-6, atol=1e-7)
+        for p, o in zip((extra_ref, extra_exact), ref_opts):
+            p.pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_within_drift({"extra": extra}, {"extra": extra_ref}, {"extra": extra_exact})
     model.offload_engine.close()
 
 
 def test_lr_scheduler_drives_offloaded_params(disk_tmp):
     torch.manual_seed(0)
     ref = TinyGPT()
+    exact = float64_twin(ref)
     model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp))
-    opt = offload.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=6)
-    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=2e-2, total_steps=6)
+    runs = []
+    for m, optimizer in ((model, offload.AdamW), (ref, torch.optim.AdamW), (exact, torch.optim.AdamW)):
+        o = optimizer(m.parameters(), lr=1e-2)
+        runs.append((m, o, torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=6), []))
     for x, y in batches(6):
-        for m, o, s in ((model, opt, sched), (ref, ref_opt, ref_sched)):
-            m(x, y).backward()
+        for m, o, s, losses in runs:
+            loss = m(x, y)
+            loss.backward()
             o.step()
             o.zero_grad()
             s.step()
-    got = model.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+            losses.append(loss.item())
+    assert_run_within_drift(*((m, losses) for m, _, _, losses in runs))
     model.offload_engine.close()
 
 
@@ -194,23 +190,26 @@ def test_a_forward_or_backward_that_raises_releases_what_it_held(disk_tmp):
 def test_clip_grad_norm_between_backward_and_step_matches_torch(disk_tmp):
     torch.manual_seed(0)
     ref = TinyGPT()
+    exact = float64_twin(ref)
     model = offload.wrap(copy.deepcopy(ref), cfg(disk_tmp, overlap_optimizer=False))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    runs = [(model, opt, opt.clip_grad_norm_)]
+    runs += [(m, torch.optim.AdamW(m.parameters(), lr=1e-2),
+              lambda n, m=m: torch.nn.utils.clip_grad_norm_(m.parameters(), n)) for m in (ref, exact)]
+    losses, norms = [[], [], []], [[], [], []]
     for x, y in batches(3):
-        model(x, y).backward()
-        norm = opt.clip_grad_norm_(0.5)
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        for (m, o, clip), run_losses, run_norms in zip(runs, losses, norms):
+            loss = m(x, y)
+            loss.backward()
+            run_norms.append(clip(0.5).item())
+            o.step()
+            o.zero_grad()
+            run_losses.append(loss.item())
     assert opt.max_grad_norm is None          # one call clips one step
-    got = model.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+    assert min(norms[1]) > 0.5                # and clipping was active
+    norm = drift("grad norm", *(torch.tensor(n, dtype=torch.float64) for n in norms))
+    assert norm.ok, str(norm)
+    assert_run_within_drift((model, losses[0]), (ref, losses[1]), (exact, losses[2]))
     model.offload_engine.close()
 
 
@@ -267,28 +266,25 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     return model, losses, moves
 
 
-def _torch_losses(steps=4):
+def _torch_runs(steps=4):
+    """Plain PyTorch's fp32 run of what _train_with_a_slow_optimizer trains, and the same run in
+    float64 (the exact one): ``(model, losses)`` of each."""
     torch.manual_seed(0)
     ref = TinyGPT()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    want = []
-    for x, y in batches(steps):
-        loss = ref(x, y)
-        loss.backward()
-        opt_ref.step()
-        opt_ref.zero_grad()
-        want.append(loss.item())
-    return ref, want
+    exact = float64_twin(ref)
+    runs = [(m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for m in (ref, exact)]
+    losses = train_in_lockstep(runs, batches(steps), lambda m, b: m(*b))
+    return (ref, losses[0]), (exact, losses[1])
 
 
 def test_backward_waits_for_a_slow_optimizer_instead_of_spilling_gradients(disk_tmp, monkeypatch):
     """Gradients that wait for an optimizer far behind only take the room its state needs, and
     with state on NVMe they are written down and read back. Backward runs at most the optimizer's
     read-ahead window ahead, so no gradient chunk goes to NVMe, and training is unchanged."""
-    _, want = _torch_losses()
+    (_, want), (_, exact) = _torch_runs()
     model, got, moves = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
     assert [m for m in moves if m[0] == "grad" and m[2] == "nvme"] == []
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    assert_losses_within_drift(got, want, exact)
     model.offload_engine.close()
 
 
@@ -324,20 +320,18 @@ def test_backlog_wait_is_back_pressure_not_a_barrier(disk_tmp):
 def test_updates_still_queued_at_step_finish_before_the_next_forward_uses_them(disk_tmp, monkeypatch):
     """optimizer.step() does not wait for the updates still queued: they run on while the next
     forward starts, and each chunk's forward waits for its own. zero_grad() in between leaves
-    their gradients alone. Losses and final parameters equal torch's AdamW."""
-    ref, want = _torch_losses()
+    their gradients alone. Losses and final parameters are torch AdamW's, up to rounding
+    (tests/trajectory.py)."""
+    ref, exact = _torch_runs()
     model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
     assert any(model.pending_after_step), "every update had finished when step() returned"
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    state = model.state_dict()          # waits for whatever is still queued
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    assert_run_within_drift((model, got), ref, exact)   # its state_dict() waits for what is still queued
     model.offload_engine.close()
 
 
 def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp, monkeypatch):
     """Half the chunks (those the next forward uses last) parked every step: their updates wait
-    for backward to end and overlap the next forward. The numbers are torch's."""
+    for backward to end and overlap the next forward. The numbers are torch's, up to rounding."""
     from offload.engine.engine import OffloadEngine
 
     def park_half(self):
@@ -346,14 +340,11 @@ def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp,
         return self.parked
 
     monkeypatch.setattr(OffloadEngine, "_chunks_to_park", park_half)
-    ref, want = _torch_losses()
+    ref, exact = _torch_runs()
     model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
     engine = model.offload_engine
     assert engine.parked and any(p & engine.parked for p in model.pending_after_step[1:])
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    state = model.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    assert_run_within_drift((model, got), ref, exact)
     engine.close()
 
 
