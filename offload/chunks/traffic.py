@@ -3,7 +3,8 @@
 A move is one hop between adjacent tiers (device <-> CPU by a copy, CPU <-> NVMe by AIO). It is
 asynchronous: the chunk is busy (``incoming``) until the move is finished, and only then does
 its new copy count. Making room on a full tier evicts by the eviction policy: a copy that is not
-the last current one is dropped, the last one is written one tier down first. Nothing pinned,
+the last current one is dropped, the last one is written one tier down first (off a GPU, without
+waiting: the copy is queued and the buffer's next user waits for it on the GPU). Nothing pinned,
 protected or mid-move is evicted; when nothing can go, the caller waits for moves and pins, and
 then ``TierFullError`` names who holds the tier.
 """
@@ -16,7 +17,7 @@ from typing import Hashable
 
 import torch
 
-from ..errors import TierFullError
+from ..errors import StateError, TierFullError
 from ..tiers.moves import Move, copy_between
 from .records import ChunkKey, ChunkRecord
 
@@ -46,13 +47,24 @@ class ChunkTraffic:
         current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
         if target in rec.incoming:
             return rec.incoming[target][1], target, target
+        if not rec.valid:
+            # Evicted from the GPU with its download still under way (``_evict``): the move
+            # holds the only copy, and the next hop starts from where it lands.
+            if not rec.incoming:
+                raise StateError(f"chunk {rec.key} has no current copy left: the copy writing it "
+                                 "down from the device failed")
+            move = next(iter(rec.incoming.values()))[1]
+            return move, move.src, move.dst
         ti = self.order.index(target)
         src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
         si = self.order.index(src)
         dst = self.order[si - 1 if si > ti else si + 1]
         return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
 
-    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
+    def _start_move(self, rec: ChunkRecord, src: str, dst: str, *, release_source: bool = False) -> Move:
+        """Start moving ``rec``'s copy on ``src`` to ``dst``; the move already under way when there
+        is one. ``release_source``: a copy queued on a CUDA stream out of a GPU tier gives its
+        source buffer back at once (see ``_evict``)."""
         fence = None        # a CUDA copy's end, while it may still be running
         if dst == "nvme":
             buf = None
@@ -102,6 +114,8 @@ class ChunkTraffic:
             move.finish()
         else:
             self._in_flight.add(move)
+            if release_source and fence is not None and self._gpu_tier(src) and not rec.pins[src]:
+                self._drop_copy(rec, src)
         return move
 
     def _copy(self, rec: ChunkRecord, buf: torch.Tensor, src: str, dst: str):
@@ -227,7 +241,16 @@ class ChunkTraffic:
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
         if rec.only_on(tier):
             below = self.order[self.order.index(tier) + 1]
-            self._start_move(rec, tier, below).wait()
+            # Off a GPU the copy down is queued and the device buffer goes back to its tier at
+            # once, fenced by the copy (``_drop_copy``): whatever reuses it is ordered after the
+            # copy on the GPU, so the host need not wait for the bus while holding the lock. The
+            # move holds the chunk's only copy until it is finished (the chunk is busy: never
+            # evicted, written or released meanwhile); whoever reads the copy below waits for
+            # it then (``ensure``, outside the lock). Host copies have no fences: a write to
+            # NVMe is waited for before its buffer can be reused.
+            move = self._start_move(rec, tier, below, release_source=True)
+            if tier in rec.buffers:
+                move.wait()
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
         if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
             return

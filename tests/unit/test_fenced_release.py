@@ -19,6 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload.chunks import ChunkStore
+from offload.scheduler import LRUPolicy
 from offload.tiers import MemoryTier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,3 +90,66 @@ def test_device_pool_never_waits_keeps_its_budget_and_hands_fences_to_the_next_u
         spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in held)
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
     streams.run()
+
+
+# ---- the chunk store ----------------------------------------------------------------------------
+def gated_store(device_bytes: int, cpu_bytes: int) -> tuple[ChunkStore, GatedStreams]:
+    """A device tier (the CPU standing in) over a CPU tier, copies between them on gated streams."""
+    store = ChunkStore([MemoryTier("device", device_bytes), MemoryTier("cpu", cpu_bytes)], LRUPolicy())
+    store.streams = GatedStreams(store.lock)
+    return store, store.streams
+
+
+def write(store: ChunkStore, key, values: torch.Tensor, *, accumulate: bool = False) -> None:
+    """What backward does to a gradient chunk: pin it on the device, write it, release it dirty."""
+    view = store.access(key, "device", overwrite=not accumulate)
+    if accumulate:
+        view.add_(values)
+    else:
+        view.copy_(values)
+    store.release(key, "device", dirty=True)
+
+
+def values(seed: int, numel: int = N) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def test_evicting_a_dirty_device_chunk_queues_its_download_and_does_not_wait():
+    store, streams = gated_store(2 * CHUNK, 4 * CHUNK)
+    key = store.register("grad", 1, N, torch.float32)[0]
+    v = values(0)
+    write(store, key, v)
+    store.evict(key, "device")
+    assert streams.host_waits == []
+    assert streams.copies["d2h"] == 1 and streams.pending() == 1
+    rec = store.records[key]
+    assert not rec.has("device") and store.tiers["device"].in_use == 0
+    assert rec.busy                             # the move holds its only copy until it is finished
+    got = store.access(key, "cpu")              # the reader waits for the download, not under the lock
+    try:
+        assert streams.host_waits == [(False, "grad0")]
+        assert torch.equal(got, v)
+    finally:
+        store.release(key, "cpu")
+
+
+def test_a_device_buffer_freed_by_an_eviction_is_reused_only_after_its_download():
+    store, streams = gated_store(CHUNK, 4 * CHUNK)
+    a, b = store.register("grad", 2, N, torch.float32)
+    va, vb = values(1), values(2)
+    write(store, a, va)
+    write(store, b, vb)                         # evicts a: its buffer is b's, once a's download ran
+    assert streams.host_waits_under_lock == 0
+    assert streams.compute_waits >= 1 and streams.pending() == 0
+    assert torch.equal(store.read(a), va) and torch.equal(store.read(b), vb)
+
+
+def test_a_buffer_released_for_another_size_outlives_the_download_that_reads_it():
+    store, streams = gated_store(2 * CHUNK, 8 * CHUNK)
+    small, big = store.register_chunks("grad", {0: N, 1: 3 * N // 2}, torch.float32)
+    vs, vb = values(3), values(4, 3 * N // 2)
+    write(store, small, vs)
+    store.evict(small, "device")               # its buffer is pooled, its download not yet run
+    write(store, big, vb)                       # another size: the pooled buffer is released
+    assert streams.host_waits == []
+    assert torch.equal(store.read(small), vs) and torch.equal(store.read(big), vb)
