@@ -70,6 +70,8 @@ class ChunkStore(ChunkTraffic):
         # Asynchronous moves not yet finished: a chunk stays busy (not evictable) until its move
         # is finished, so room-making finishes the ones whose I/O is already done (``_reap``).
         self._in_flight: set[Move] = set()
+        # Host buffers given back while copies still read them: (tier, buffer, fences) (``_retire``).
+        self._retiring: list[tuple[str, torch.Tensor, list]] = []
 
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:

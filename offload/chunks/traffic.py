@@ -154,26 +154,52 @@ class ChunkTraffic:
             fence.synchronize()
 
     def _free_buffer(self, tier: str, buf: torch.Tensor, readers) -> None:
-        """Give ``buf`` back to ``tier`` once nothing in flight uses it: on the GPU its next user's
-        stream waits for the fences (and for the compute queued so far); on the host we wait now."""
+        """Give ``buf`` back to ``tier`` once nothing in flight uses it, without the host waiting
+        for the GPU. On the GPU its next user's stream waits for the fences (and for the compute
+        queued so far). A host buffer's next user may be the host itself (the CPU Adam, an NVMe
+        read), which no fence can order: one that copies still read is held back, still counted
+        in its tier's use, until they are done (``_retire``)."""
         if self._gpu_tier(tier):
             self.tiers[tier].free(buf, [*readers, self.streams.compute_fence()])
             return
-        for fence in readers:
-            fence.synchronize()
-        self.tiers[tier].free(buf)
+        pending = [f for f in readers if not f.query()]
+        if pending:
+            self._retiring.append((tier, buf, pending))
+        else:
+            self.tiers[tier].free(buf)
+
+    def _retire(self, wait_on: str | None = None) -> bool:
+        """Give back the held-back host buffers whose copies are done; True if any went.
+        ``wait_on``: that tier is full and nothing else can go, so the host waits for its oldest
+        held-back buffer first (the last resort: an upload still reading it, seldom long)."""
+        if wait_on is not None:
+            for fence in next((f for t, _, f in self._retiring if t == wait_on), ()):
+                fence.synchronize()
+        keep = []
+        for tier, buf, fences in self._retiring:
+            if all(f.query() for f in fences):
+                self.tiers[tier].free(buf)
+            else:
+                keep.append((tier, buf, fences))
+        freed = len(keep) < len(self._retiring)
+        self._retiring = keep
+        return freed
 
     def _reap(self) -> None:
-        """Finish every move whose I/O is already done (their chunks become evictable)."""
+        """Finish every move whose I/O is already done (their chunks become evictable), and give
+        back the host buffers no copy reads any more."""
         for move in [m for m in self._in_flight if m.io_ready()]:
             move.finish()
+        self._retire()
 
     def wait_idle(self) -> None:
         """Wait for every asynchronous move under way (write-backs started by the optimizer
-        included) and finish it."""
+        included) and finish it, and for the copies still reading freed host buffers."""
         with self.lock:
             while self._in_flight:
                 next(iter(self._in_flight)).wait()
+            while self._retiring:
+                self._retire(wait_on=self._retiring[0][0])
 
     def _settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
@@ -205,8 +231,11 @@ class ChunkTraffic:
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
                     return False
             if not candidates and later_than is None:
-                # Chunks mid-move (landing here, or being written down from here) become evictable
-                # once their move is done; chunks another thread has pinned, once it lets go.
+                # Host buffers that uploads still read come back once those are done; chunks
+                # mid-move (landing here, or being written down from here) become evictable once
+                # their move is done; chunks another thread has pinned, once it lets go.
+                if self._retire(wait_on=tier):
+                    continue
                 moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
                           for _, m in r.incoming.values()]
                 if moving:
