@@ -299,7 +299,8 @@ class ChunkStore(ChunkTraffic):
             return rec.views.get(tier)
 
     def evict(self, key: ChunkKey, tier: str) -> None:
-        """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
+        """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current
+        copy (off a GPU the copy is only queued: the chunk is busy until it lands)."""
         tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
