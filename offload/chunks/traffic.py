@@ -61,10 +61,7 @@ class ChunkTraffic:
         dst = self.order[si - 1 if si > ti else si + 1]
         return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
 
-    def _start_move(self, rec: ChunkRecord, src: str, dst: str, *, release_source: bool = False) -> Move:
-        """Start moving ``rec``'s copy on ``src`` to ``dst``; the move already under way when there
-        is one. ``release_source``: a copy queued on a CUDA stream out of a GPU tier gives its
-        source buffer back at once (see ``_evict``)."""
+    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
         fence = None        # a CUDA copy's end, while it may still be running
         if dst == "nvme":
             buf = None
@@ -114,8 +111,6 @@ class ChunkTraffic:
             move.finish()
         else:
             self._in_flight.add(move)
-            if release_source and fence is not None and self._gpu_tier(src) and not rec.pins[src]:
-                self._drop_copy(rec, src)
         return move
 
     def _copy(self, rec: ChunkRecord, buf: torch.Tensor, src: str, dst: str):
@@ -268,18 +263,26 @@ class ChunkTraffic:
             return self._start_move(rec, low, "nvme")
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
+        """Drop ``rec``'s copy on ``tier`` (not busy: callers settle or skip chunks mid-move)."""
         if rec.only_on(tier):
             below = self.order[self.order.index(tier) + 1]
+            version = rec.version
+            move = self._start_move(rec, tier, below)
             # Off a GPU the copy down is queued and the device buffer goes back to its tier at
             # once, fenced by the copy (``_drop_copy``): whatever reuses it is ordered after the
             # copy on the GPU, so the host need not wait for the bus while holding the lock. The
             # move holds the chunk's only copy until it is finished (the chunk is busy: never
             # evicted, written or released meanwhile); whoever reads the copy below waits for
-            # it then (``ensure``, outside the lock). Host copies have no fences: a write to
-            # NVMe is waited for before its buffer can be reused.
-            move = self._start_move(rec, tier, below, release_source=True)
-            if tier in rec.buffers:
-                move.wait()
+            # it then (``ensure``, outside the lock). The move is this call's, or one another
+            # thread started while room was made (the lock released): either way of the version
+            # it still has, unless a write came in between. Host copies have no fences: a write
+            # to NVMe is waited for before its buffer can be reused.
+            if (self._gpu_tier(tier) and not move.synchronous and move.src == tier and tier in rec.buffers
+                    and rec.version == version and not rec.pins[tier]
+                    and rec.incoming.get(below, (None, None))[1] is move):
+                self._drop_copy(rec, tier)
+                return
+            move.wait()
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
         if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
             return
