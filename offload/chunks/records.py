@@ -23,6 +23,9 @@ class ChunkRecord:
     state: ChunkState = ChunkState.FREE
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)     # memory tiers with a current copy
     views: dict[str, torch.Tensor] = field(default_factory=dict)       # each copy's typed view, made once
+    # Moves under way, by destination: (its buffer there, the move). A chunk evicted from the GPU
+    # while its download runs has no copy in ``buffers`` (``valid`` is empty): the move is its
+    # only copy until it is finished.
     incoming: dict[str, tuple[torch.Tensor | None, Move]] = field(default_factory=dict)
     slot: NvmeSlot | None = None
     nvme_valid: bool = False

@@ -70,6 +70,8 @@ class ChunkStore(ChunkTraffic):
         # Asynchronous moves not yet finished: a chunk stays busy (not evictable) until its move
         # is finished, so room-making finishes the ones whose I/O is already done (``_reap``).
         self._in_flight: set[Move] = set()
+        # Host buffers given back while copies still read them: (tier, buffer, fences) (``_retire``).
+        self._retiring: list[tuple[str, torch.Tensor, list]] = []
 
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
@@ -297,7 +299,8 @@ class ChunkStore(ChunkTraffic):
             return rec.views.get(tier)
 
     def evict(self, key: ChunkKey, tier: str) -> None:
-        """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current copy."""
+        """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current
+        copy (off a GPU the copy is only queued: the chunk is busy until it lands)."""
         tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)

@@ -3,7 +3,8 @@
 A move is one hop between adjacent tiers (device <-> CPU by a copy, CPU <-> NVMe by AIO). It is
 asynchronous: the chunk is busy (``incoming``) until the move is finished, and only then does
 its new copy count. Making room on a full tier evicts by the eviction policy: a copy that is not
-the last current one is dropped, the last one is written one tier down first. Nothing pinned,
+the last current one is dropped, the last one is written one tier down first (off a GPU, without
+waiting: the copy is queued and the buffer's next user waits for it on the GPU). Nothing pinned,
 protected or mid-move is evicted; when nothing can go, the caller waits for moves and pins, and
 then ``TierFullError`` names who holds the tier.
 """
@@ -16,7 +17,7 @@ from typing import Hashable
 
 import torch
 
-from ..errors import TierFullError
+from ..errors import StateError, TierFullError
 from ..tiers.moves import Move, copy_between
 from .records import ChunkKey, ChunkRecord
 
@@ -46,6 +47,14 @@ class ChunkTraffic:
         current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
         if target in rec.incoming:
             return rec.incoming[target][1], target, target
+        if not rec.valid:
+            # Evicted from the GPU with its download still under way (``_evict``): the move
+            # holds the only copy, and the next hop starts from where it lands.
+            if not rec.incoming:
+                raise StateError(f"chunk {rec.key} has no current copy left: the copy writing it "
+                                 "down from the device failed")
+            move = next(iter(rec.incoming.values()))[1]
+            return move, move.src, move.dst
         ti = self.order.index(target)
         src = min(rec.valid, key=lambda t: (abs(self.order.index(t) - ti), self.order.index(t)))
         si = self.order.index(src)
@@ -140,26 +149,52 @@ class ChunkTraffic:
             fence.synchronize()
 
     def _free_buffer(self, tier: str, buf: torch.Tensor, readers) -> None:
-        """Give ``buf`` back to ``tier`` once nothing in flight uses it: on the GPU its next user's
-        stream waits for the fences (and for the compute queued so far); on the host we wait now."""
+        """Give ``buf`` back to ``tier`` once nothing in flight uses it, without the host waiting
+        for the GPU. On the GPU its next user's stream waits for the fences (and for the compute
+        queued so far). A host buffer's next user may be the host itself (the CPU Adam, an NVMe
+        read), which no fence can order: one that copies still read is held back, still counted
+        in its tier's use, until they are done (``_retire``)."""
         if self._gpu_tier(tier):
             self.tiers[tier].free(buf, [*readers, self.streams.compute_fence()])
             return
-        for fence in readers:
-            fence.synchronize()
-        self.tiers[tier].free(buf)
+        pending = [f for f in readers if not f.query()]
+        if pending:
+            self._retiring.append((tier, buf, pending))
+        else:
+            self.tiers[tier].free(buf)
+
+    def _retire(self, wait_on: str | None = None) -> bool:
+        """Give back the held-back host buffers whose copies are done; True if any went.
+        ``wait_on``: that tier is full and nothing else can go, so the host waits for its oldest
+        held-back buffer first (the last resort: an upload still reading it, seldom long)."""
+        if wait_on is not None:
+            for fence in next((f for t, _, f in self._retiring if t == wait_on), ()):
+                fence.synchronize()
+        keep = []
+        for tier, buf, fences in self._retiring:
+            if all(f.query() for f in fences):
+                self.tiers[tier].free(buf)
+            else:
+                keep.append((tier, buf, fences))
+        freed = len(keep) < len(self._retiring)
+        self._retiring = keep
+        return freed
 
     def _reap(self) -> None:
-        """Finish every move whose I/O is already done (their chunks become evictable)."""
+        """Finish every move whose I/O is already done (their chunks become evictable), and give
+        back the host buffers no copy reads any more."""
         for move in [m for m in self._in_flight if m.io_ready()]:
             move.finish()
+        self._retire()
 
     def wait_idle(self) -> None:
         """Wait for every asynchronous move under way (write-backs started by the optimizer
-        included) and finish it."""
+        included) and finish it, and for the copies still reading freed host buffers."""
         with self.lock:
             while self._in_flight:
                 next(iter(self._in_flight)).wait()
+            while self._retiring:
+                self._retire(wait_on=self._retiring[0][0])
 
     def _settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
@@ -191,8 +226,11 @@ class ChunkTraffic:
                 if sum(self.records[k].nbytes for k in candidates) < nbytes - t.free_bytes:
                     return False
             if not candidates and later_than is None:
-                # Chunks mid-move (landing here, or being written down from here) become evictable
-                # once their move is done; chunks another thread has pinned, once it lets go.
+                # Host buffers that uploads still read come back once those are done; chunks
+                # mid-move (landing here, or being written down from here) become evictable once
+                # their move is done; chunks another thread has pinned, once it lets go.
+                if self._retire(wait_on=tier):
+                    continue
                 moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
                           for _, m in r.incoming.values()]
                 if moving:
@@ -225,9 +263,26 @@ class ChunkTraffic:
             return self._start_move(rec, low, "nvme")
 
     def _evict(self, rec: ChunkRecord, tier: str) -> None:
+        """Drop ``rec``'s copy on ``tier`` (not busy: callers settle or skip chunks mid-move)."""
         if rec.only_on(tier):
             below = self.order[self.order.index(tier) + 1]
-            self._start_move(rec, tier, below).wait()
+            version = rec.version
+            move = self._start_move(rec, tier, below)
+            # Off a GPU the copy down is queued and the device buffer goes back to its tier at
+            # once, fenced by the copy (``_drop_copy``): whatever reuses it is ordered after the
+            # copy on the GPU, so the host need not wait for the bus while holding the lock. The
+            # move holds the chunk's only copy until it is finished (the chunk is busy: never
+            # evicted, written or released meanwhile); whoever reads the copy below waits for
+            # it then (``ensure``, outside the lock). The move is this call's, or one another
+            # thread started while room was made (the lock released): either way of the version
+            # it still has, unless a write came in between. Host copies have no fences: a write
+            # to NVMe is waited for before its buffer can be reused.
+            if (self._gpu_tier(tier) and not move.synchronous and move.src == tier and tier in rec.buffers
+                    and rec.version == version and not rec.pins[tier]
+                    and rec.incoming.get(below, (None, None))[1] is move):
+                self._drop_copy(rec, tier)
+                return
+            move.wait()
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
         if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
             return

@@ -19,6 +19,21 @@ a request of another size needs their share of the budget. A freed device buffer
 read by GPU work queued before it was freed: ``free`` takes the CUDA events that work ends with
 (its *fences*) and ``take_fences`` hands them to the buffer's next user, which makes its own
 stream wait for them.
+
+Releasing a pooled buffer (to make room for another size) never makes the host wait for its
+fences: that runs under the chunk store's lock, where a wait would drain the GPU's queue. The
+buffer goes back to torch's caching allocator instead, marked (``record_stream``) as used by a
+stream of ours that first waits for the fences on the GPU. The allocator then keeps the memory
+from every other tensor until that stream's work has passed, polling the event at each
+allocation, and only when it runs out of memory does it wait for the event itself (as
+``empty_cache`` does). So the host blocks only when the card is truly full. The tier's own
+accounting drops the bytes at once: ``reserved`` never exceeds the budget, and for as long as the
+GPU is behind the host the card may hold up to the released bytes more, which the allocator
+reclaims under pressure for anyone, activations included. Keeping a "retiring" list in the tier
+instead would have to charge those bytes to the budget, so a full budget (exactly when the pool
+shrinks) would make the host wait again, and memory the tier holds is invisible to the
+allocator's out-of-memory recovery. On a CPU device nothing is needed: memory is refcounted, and
+whatever still reads a buffer holds a reference to it.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ class MemoryTier:
         self._pooled: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._pooled_bytes = 0
         self._fences: dict[int, list] = {}  # device buffer address -> events its last users end with
+        self._retire_stream = None          # CUDA: waits for released buffers' fences (``_release``)
         # Host memory for O_DIRECT or DMA is one arena: its bookkeeping now, its mapping at first use.
         arena = self.device.type == "cpu" and (aligned or pin)
         self._extents = Extents(self.budget // 4096 * 4096) if arena else None
@@ -135,10 +151,20 @@ class MemoryTier:
         for size in sorted(self._pooled, reverse=True):
             pool = self._pooled[size]
             while pool and self._pooled_bytes > max(keep, 0):
-                buf = pool.pop()
-                for event in self._fences.pop(buf.data_ptr(), ()):
-                    event.synchronize()     # the caching allocator may hand it out at once
+                self._release(pool.pop())
                 self._pooled_bytes -= size
+
+    def _release(self, buf: torch.Tensor) -> None:
+        """Let ``buf`` go without waiting for its fences (see the module's docstring for why)."""
+        fences = self._fences.pop(buf.data_ptr(), ())
+        if fences and buf.is_cuda:
+            if self._retire_stream is None:
+                self._retire_stream = torch.cuda.Stream(self.device)
+            for fence in fences:
+                self._retire_stream.wait_event(fence)
+            # Once ``buf`` is deallocated (on return), the allocator records an event on this
+            # stream, behind the waits, and reuses the memory only after that event.
+            buf.record_stream(self._retire_stream)
 
     def _from_arena(self, nbytes: int) -> torch.Tensor:
         if self._mapping is None:

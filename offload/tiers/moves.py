@@ -1,5 +1,9 @@
 """Copies between tiers, as handles: a move completes (``wait``) before its source may be released.
 
+On a GPU, "released" means handed back to its tier with the copy's fence: the buffer's next user
+is ordered after the copy on the GPU (``MemoryTier.free``), so a download's source goes back at
+once and only whoever reads the bytes it lands waits for them.
+
 Memory-to-memory copies run on CUDA copy streams (``streams.py``) when a GPU is involved, and
 synchronously on the CPU otherwise; NVMe moves wrap the AIO handles.
 """

@@ -17,7 +17,7 @@ import torch
 import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import SimStreams  # noqa: E402
+from sim_streams import GatedStreams, SimStreams  # noqa: E402
 from test_engine_equivalence import (assert_params_close, make_models, run_reference,  # noqa: E402
                                      small_config)
 from tiny_gpt import batches  # noqa: E402
@@ -25,18 +25,26 @@ from tiny_gpt import batches  # noqa: E402
 LR, WD = 1e-2, 0.1
 
 
-def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None):
+def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1, lag=None):
+    """Train on simulated streams: ``SimStreams`` (copies on threads, ``delay_s`` each), or with
+    ``lag``, ``GatedStreams`` (a GPU that keeps ``lag`` copies behind the host, deterministically)."""
     model = offload.wrap(model, cfg)
-    streams = SimStreams(delay_s)
-    model.offload_engine.store.streams = streams
+    store = model.offload_engine.store
+    streams = SimStreams(delay_s) if lag is None else GatedStreams(store.lock, lag=lag)
+    store.streams = streams
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip)
     losses, stats = [], []
-    for x, y in batches(steps):
-        loss = model(x, y)
-        loss.backward()
+    data = iter(batches(steps * accumulate))
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = model(x, y) / accumulate
+            loss.backward()
+            total += loss.item()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
         stats.append(model.offload_stats())
     return model, streams, losses, stats
 
@@ -84,6 +92,27 @@ def test_clipped_training_with_asynchronous_copies_matches_torch(disk_tmp):
     try:
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
         assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+    finally:
+        model.offload_engine.close()
+        streams.close()
+
+
+@pytest.mark.parametrize("accumulate, clip", [(3, None), (1, 0.5)], ids=["accumulation", "clipping"])
+def test_gradients_leave_the_device_without_the_host_waiting_under_the_lock(disk_tmp, accumulate, clip):
+    """Updates that wait for backward (accumulation, clipping) leave gradient chunks dirty on the
+    device, and a small device budget evicts them mid-backward. On a GPU that keeps two copies
+    behind (``GatedStreams``), that eviction, the device pool's reshuffling between chunk sizes
+    and the host copies left stale by accumulating on the device never make the host wait for a
+    copy while it holds the store's lock (before, each eviction did), and training equals torch."""
+    ref, mine = make_models()
+    want = run_reference(ref, 4, accumulate=accumulate, clip=clip)
+    cfg = small_config(disk_tmp, merge_host_tiers=False, overlap_optimizer=False)
+    model, streams, got, stats = train_simulated(mine, cfg, 4, accumulate=accumulate, clip=clip, lag=2)
+    try:
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+        assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+        assert stats[-1]["moved_bytes"].get("device->cpu"), stats[-1]["moved_bytes"]
+        assert streams.host_waits_under_lock == 0, streams.host_waits
     finally:
         model.offload_engine.close()
         streams.close()
