@@ -18,8 +18,7 @@ import offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sim_streams import GatedStreams, SimStreams  # noqa: E402
-from test_engine_equivalence import (assert_params_close, make_models, run_reference,  # noqa: E402
-                                     small_config)
+from test_engine_equivalence import Reference, make_models, small_config  # noqa: E402
 from tiny_gpt import batches  # noqa: E402
 
 LR, WD = 1e-2, 0.1
@@ -52,12 +51,11 @@ def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1
 @pytest.mark.parametrize("overlap", [True, False])
 def test_training_with_asynchronous_copies_matches_torch(disk_tmp, overlap):
     ref, mine = make_models()
-    want = run_reference(ref, 12)
+    want = Reference(ref, 12)
     cfg = small_config(disk_tmp, merge_host_tiers=False, overlap_optimizer=overlap)
     model, streams, got, stats = train_simulated(mine, cfg, 12)
     try:
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-        assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+        want.check(model, got)
         assert streams.copies["h2d"] and streams.copies["d2h"], streams.copies
         moved = stats[-1]["moved_bytes"]
         assert moved.get("cpu->device") and moved.get("device->cpu"), moved
@@ -87,11 +85,10 @@ def test_finished_copies_are_reaped_and_count_as_hits(disk_tmp):
 
 def test_clipped_training_with_asynchronous_copies_matches_torch(disk_tmp):
     ref, mine = make_models()
-    want = run_reference(ref, 8, clip=0.5)
+    want = Reference(ref, 8, clip=0.5)
     model, streams, got, _ = train_simulated(mine, small_config(disk_tmp, merge_host_tiers=False), 8, clip=0.5)
     try:
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-        assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+        want.check(model, got)
     finally:
         model.offload_engine.close()
         streams.close()
@@ -105,12 +102,11 @@ def test_gradients_leave_the_device_without_the_host_waiting_under_the_lock(disk
     and the host copies left stale by accumulating on the device never make the host wait for a
     copy while it holds the store's lock (before, each eviction did), and training equals torch."""
     ref, mine = make_models()
-    want = run_reference(ref, 4, accumulate=accumulate, clip=clip)
+    want = Reference(ref, 4, accumulate=accumulate, clip=clip)
     cfg = small_config(disk_tmp, merge_host_tiers=False, overlap_optimizer=False)
     model, streams, got, stats = train_simulated(mine, cfg, 4, accumulate=accumulate, clip=clip, lag=2)
     try:
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-        assert_params_close(model, ref, rtol=1e-5, atol=1e-6)
+        want.check(model, got)
         assert stats[-1]["moved_bytes"].get("device->cpu"), stats[-1]["moved_bytes"]
         assert streams.host_waits_under_lock == 0, streams.host_waits
     finally:
