@@ -260,6 +260,7 @@ class ModuleHooks:
         if self.eager:
             self._refresh_hypers()
         self.parked = self._chunks_to_park() if self.eager and self.spills else set()
+        # Run once this backward ends. torch has no public API for it; FSDP2 and DDP use this one.
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _release_backward_pins(self, module: nn.Module) -> None:
@@ -293,6 +294,7 @@ class ModuleHooks:
 
     @staticmethod
     def _autograd_running() -> bool:
+        # Whether a backward is running on this thread: no public API (FSDP2 asks the same way).
         return torch._C._current_graph_task_id() != -1
 
     def _abort_backward(self) -> None:
