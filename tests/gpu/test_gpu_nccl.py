@@ -20,8 +20,9 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "integration"))
 from dp_launch import launch  # noqa: E402
-from test_distributed_engine import assert_state_close, mean_losses  # noqa: E402
+from test_distributed_engine import mean_losses  # noqa: E402
 from tiny_gpt import TinyGPT, batches  # noqa: E402
+from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -41,24 +42,29 @@ def exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def reference(steps: int) -> tuple[list[float], dict]:
-    """Plain PyTorch on one GPU and the whole global batch: losses and final state (on the CPU)."""
+def reference(steps: int) -> list[tuple[list[float], dict]]:
+    """Plain PyTorch on one GPU and the whole global batch, in fp32 and in float64 (the exact run,
+    tests/trajectory.py): each run's losses and final state (on the CPU)."""
     torch.manual_seed(0)            # dp_worker's seed: the same initial values
-    model = TinyGPT(checkpointing=True).to("cuda:0")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    for x, y in batches(steps, batch=4):
-        loss = model(x.to("cuda:0"), y.to("cuda:0"))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    model = TinyGPT(checkpointing=True)
+    runs = []
+    for m in (model, float64_twin(model)):
+        m = m.to("cuda:0")
+        opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD)
+        losses = []
+        for x, y in batches(steps, batch=4):
+            loss = m(x.to("cuda:0"), y.to("cuda:0"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, {k: v.detach().cpu() for k, v in m.state_dict().items()}))
+    return runs
 
 
 @pytest.mark.parametrize("user_sets_device", [True, False], ids=["set_device", "engine_moves"])
 def test_two_nccl_ranks_train_like_one_process_each_on_its_own_gpu(disk_tmp, user_sets_device):
-    want_losses, want_state = reference(STEPS)
+    (want_losses, want_state), (exact_losses, exact_state) = reference(STEPS)
     config = dict(device="cuda", dtype="fp32", device_budget="256KiB", cpu_budget="256KiB",
                   nvme_paths=[str(disk_tmp / "nvme-{rank}")], chunk_size=4096)
     spec = {"steps": STEPS, "out": str(disk_tmp / "result"), "config": config, "backend": "nccl",
@@ -75,6 +81,6 @@ def test_two_nccl_ranks_train_like_one_process_each_on_its_own_gpu(disk_tmp, use
         assert len(moved) == (1 if rank == 1 and not user_sets_device else 0), o["warnings"]
         coll = o["stats"][-1]["collectives"]
         assert coll["by_op"].get("broadcast", 0) > 0 and coll["by_op"].get("reduce", 0) > 0
-    assert mean_losses(out) == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
+    assert_losses_within_drift(mean_losses(out), want_losses, exact_losses)
     for o in out:
-        assert_state_close(o["state"], want_state, rtol=1e-5, atol=1e-5)
+        assert_within_drift({k: v.cpu() for k, v in o["state"].items()}, want_state, exact_state)
