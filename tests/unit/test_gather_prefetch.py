@@ -96,13 +96,19 @@ def test_a_failed_prefetch_is_reported_to_the_thread_that_needs_the_group(one_ra
     gather.drop_all()
     gather.begin_iteration()
 
+    fail = threading.Event()
+
     def failing_update(c, runs, grad_scale):
+        fail.wait(HELD_S)
         raise RuntimeError("the update of chunk 1 failed")
 
     monkeypatch.setattr(engine.adam, "update", failing_update)
     engine.adam.submit(1, [], 1.0)
     try:
+        # Group 0's own wait for updates would re-raise the worker's error had it failed already:
+        # it fails once group 1's prefetch (started by this ensure) is waiting for it.
         gather.ensure(0)
+        fail.set()
         with pytest.raises(offload.errors.OffloadError, match="chunk 1 failed"):
             gather.ensure(1)
         assert not gather.holds(1)
