@@ -4,7 +4,9 @@ every system the benchmarks compare (offload's engine and FSDP2 alike).
 The counter wraps the methods of ``torch.distributed.ProcessGroup`` itself: every Python-level
 collective (``all_gather_single``, the deprecated ``all_gather_into_tensor``, ``all_reduce``,
 FSDP2's ``dist.all_gather_single``/``dist.reduce_scatter_single`` …) ends in exactly one of those
-methods, whichever module attribute the caller went through, so one call is counted once.
+methods, whichever module attribute the caller went through, so one call is counted once. The
+methods differ between torch versions (2.11 has ``_allgather_base`` where 2.13 has
+``all_gather_single``): the table holds both, and a method a version lacks is not wrapped.
 Functional collectives compiled by dynamo bypass it (neither system uses them in eager mode).
 
 Accounting is the ring algorithm's, per rank (``ring_bytes``): in a group of N ranks
@@ -89,11 +91,13 @@ def _root(opts, name: str) -> int:
 _METHODS = {
     "all_gather_single": ("all_gather", lambda a: _nbytes(a[1])),                  # (out, in, opts)
     "all_gather_single_coalesced": ("all_gather", lambda a: _sum(a[1])),           # (outs, ins, opts)
+    "_allgather_base": ("all_gather", lambda a: _nbytes(a[1])),                    # torch 2.11's all_gather_single
     "allgather_into_tensor_coalesced": ("all_gather", lambda a: _sum(a[1])),
     "allgather": ("all_gather", lambda a: _sum(a[1])),                             # ([[out]], [in], opts)
     "allgather_coalesced": ("all_gather", lambda a: _sum(a[1])),
     "reduce_scatter_single": ("reduce_scatter", lambda a: _nbytes(a[0])),          # (out, in, opts)
     "reduce_scatter_single_coalesced": ("reduce_scatter", lambda a: _sum(a[0])),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a: _nbytes(a[0])),           # torch 2.11's reduce_scatter_single
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _sum(a[0])),
     "reduce_scatter": ("reduce_scatter", lambda a: _sum(a[0])),                    # ([out], [[in]], opts)
     "allreduce": ("all_reduce", lambda a: _sum(a[0])),                             # ([t], opts)

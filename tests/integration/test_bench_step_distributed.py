@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -30,9 +31,12 @@ def _two_rank_worker(rank, port, results):
     try:
         with CollectiveCounter() as c:
             piece = torch.ones(1000, dtype=torch.bfloat16)                # 2000 B per rank
-            dist.all_gather_single(torch.empty(2000, dtype=torch.bfloat16), piece)
-            dist.reduce_scatter_single(torch.empty(1000, dtype=torch.bfloat16),
-                                       torch.ones(2000, dtype=torch.bfloat16))
+            # The names both torch 2.11 and 2.13 have (2.13 also calls them *_single).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                dist.all_gather_into_tensor(torch.empty(2000, dtype=torch.bfloat16), piece)
+                dist.reduce_scatter_tensor(torch.empty(1000, dtype=torch.bfloat16),
+                                           torch.ones(2000, dtype=torch.bfloat16))
             dist.all_reduce(torch.ones(500))                               # 2000 B
             dist.broadcast(torch.ones(250), src=1)                         # 1000 B from rank 1
         results[rank] = c.snapshot()
