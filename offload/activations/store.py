@@ -199,8 +199,12 @@ def nothing_parked_message(stats: dict, min_bytes: int | None) -> str:
     """What a step that parked nothing under activation offload means, and what to check."""
     head = f"activation_offload={stats['tier']!r} parked nothing in this step"
     if stats["kept_on_device_bytes"]:
+        # Under "nvme" the rest spills: what finds no room is a tensor larger than the whole area,
+        # or one saved while all of the area is still being written out.
+        fix = ("raise activation_budget (above the largest saved tensor, with room to spare)"
+               if stats["tier"] == "nvme" else "raise activation_budget or use 'nvme'")
         return (f"{head}: the {stats['kept_on_device_bytes']} bytes chosen to park found no room in the "
-                f"{stats['area_budget']}-byte activation area; raise activation_budget or use 'nvme'")
+                f"{stats['area_budget']}-byte activation area; {fix}")
     bigger = "" if min_bytes is None else f" and no saved tensor reached activation_min_bytes={min_bytes}"
     return (f"{head}: no tensor saved for backward was a checkpointed layer's input{bigger}. Is "
             "torch.utils.checkpoint used (Hugging Face: model.gradient_checkpointing_enable(); "
