@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
-from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, _pack, auto_max_chunk, search_chunk_size
+from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, auto_max_chunk, pack, search_chunk_size
 from .errors import ConfigError
 from .planner_activations import activation_problems, area_budget, place_activations
 from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
@@ -347,7 +347,7 @@ def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_siz
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
                                        trainable=trainable)
-    packing = _pack(numels, chunk_size, PARAM_ALIGN, trainable)
+    packing = pack(numels, chunk_size, PARAM_ALIGN, trainable)
     return chunk_size, packing.sizes, packing.trainable
 
 

@@ -406,8 +406,8 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
     the median call over ~1.5 s. The planner adds the checkpoint recompute (x4/3) itself."""
     import torch
 
-    from .models.llama import (LlamaDecoderLayer, _layer_matmul_params, _rope_tables, get_preset,
-                               layer_param_count)
+    from .models.llama import (LlamaDecoderLayer, get_preset, layer_matmul_params,
+                               layer_param_count, rope_tables)
 
     cfg = get_preset(model) if isinstance(model, str) else model
     tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -418,8 +418,8 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
         layer = LlamaDecoderLayer(cfg).to(tdtype)
         x = torch.randn(tokens // seq, seq, cfg.hidden_size, dtype=tdtype, requires_grad=True)
         grad = torch.randn_like(x) * 1e-3
-        cos, sin = _rope_tables(cfg, seq, "cpu", tdtype)
-        flops = (6 * _layer_matmul_params(cfg) + 12 * cfg.hidden_size * seq) * tokens
+        cos, sin = rope_tables(cfg, seq, "cpu", tdtype)
+        flops = (6 * layer_matmul_params(cfg) + 12 * cfg.hidden_size * seq) * tokens
 
         def call():
             layer(x, cos, sin).backward(grad)

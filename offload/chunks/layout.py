@@ -51,7 +51,7 @@ def _align(n: int, to: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Packing:
-    """What ``_pack`` decided: ``placed[i]`` = (chunk, offset) of parameter i; per chunk its
+    """What ``pack`` decided: ``placed[i]`` = (chunk, offset) of parameter i; per chunk its
     size in elements and whether it holds trainable parameters."""
 
     placed: list[tuple[int, int]]
@@ -59,8 +59,8 @@ class Packing:
     trainable: list[bool]
 
 
-def _pack(numels: Sequence[int], chunk_size: int, align: int,
-          trainable: Sequence[bool] | None = None) -> Packing:
+def pack(numels: Sequence[int], chunk_size: int, align: int,
+         trainable: Sequence[bool] | None = None) -> Packing:
     """Greedy in-order packing. Frozen and trainable parameters fill separate open chunks; a
     parameter that does not fit its class's open chunk opens a new one; a parameter larger than
     ``chunk_size`` gets a chunk of its own (rounded up to ``CHUNK_QUANTUM``)."""
@@ -98,7 +98,7 @@ def wasted_elements(numels: Sequence[int], chunk_size: int, align: int = PARAM_A
     """Elements of chunk storage that hold no parameter under this chunk size."""
     if not numels:
         return 0
-    return sum(_pack(numels, chunk_size, align, trainable).sizes) - sum(numels)
+    return sum(pack(numels, chunk_size, align, trainable).sizes) - sum(numels)
 
 
 # "Auto" chunk sizes are capped so that this many fp32 chunks fit in each budget: the device tier
@@ -177,7 +177,7 @@ class ChunkLayout:
             size = int(chunk_size)
             if size <= 0 or size % CHUNK_QUANTUM:
                 raise ConfigError("chunk_size", chunk_size, f"must be a positive multiple of {CHUNK_QUANTUM}")
-        packing = _pack(numels, size, align, trainable)
+        packing = pack(numels, size, align, trainable)
         slots = [ParamSlot(name, c, off, k, shape)
                  for (name, shape), k, (c, off) in zip(named, numels, packing.placed)]
         return cls(slots, size, packing.sizes, packing.trainable)

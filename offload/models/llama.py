@@ -120,14 +120,15 @@ def get_preset(name: str) -> LlamaConfig:
     return PRESETS[key]
 
 
-def _layer_matmul_params(cfg: LlamaConfig) -> int:
+def layer_matmul_params(cfg: LlamaConfig) -> int:
+    """Weights of one decoder layer's seven projections (elements): what its matmuls multiply by."""
     h = cfg.hidden_size
     return 2 * h * h + 2 * h * cfg.kv_dim + 3 * h * cfg.intermediate_size
 
 
 def layer_param_count(cfg: LlamaConfig) -> int:
     """Parameters of one decoder layer (elements)."""
-    return _layer_matmul_params(cfg) + 2 * cfg.hidden_size
+    return layer_matmul_params(cfg) + 2 * cfg.hidden_size
 
 
 def param_count(cfg: LlamaConfig) -> int:
@@ -144,7 +145,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     counting the full score matrix as PaLM's MFU convention does. Activation checkpointing adds
     one more forward (multiply the 6 N part by 8/6).
     """
-    n = cfg.num_layers * _layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
+    n = cfg.num_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + attention_flops_per_token(cfg, seq_len)
 
 
@@ -179,7 +180,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def _rope_tables(cfg: LlamaConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: LlamaConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the rotary embedding for positions ``0 .. seq_len - 1``, each
+    ``(seq_len, head_dim)`` in ``dtype`` (computed in fp32)."""
     half = torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32),
                         1.0 / (cfg.rope_theta ** half))
@@ -251,7 +254,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = _rope_tables(self.cfg, input_ids.shape[1], x.device, x.dtype)
+        cos, sin = rope_tables(self.cfg, input_ids.shape[1], x.device, x.dtype)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
