@@ -17,7 +17,7 @@ from .errors import OffloadError
 # when --help needs their arguments, so `offload doctor` never pays for torch at parse time.
 COMMANDS = {
     "doctor": ("offload.doctor", "check this machine: torch, CUDA, SIMD, libaio, O_DIRECT, memory"),
-    "plan": ("offload.planner_cli", "predict memory, disk and step time for a model on this box"),
+    "plan": ("offload.plan.cli", "predict memory, disk and step time for a model on this box"),
 }
 CHECKPOINT_COMMANDS = {
     "verify": ("offload.checkpoint.verify", "check every checksum of the checkpoints in DIR (exit 1 on corruption)"),

@@ -393,9 +393,9 @@ def rank_paths(args, ranks: Ranks) -> list[str]:
 def make_plan(args, cfg, config, described=None, ranks: Ranks = Ranks()):
     """Run the planner on this box (it measures NVMe, Adam and compute) for one rank's share of it;
     returns (plan, sources, notes)."""
-    from offload import planner_cli
-    from offload.planner import Policy
-    from offload.planner_choice import choose
+    from offload.plan import cli as planner_cli
+    from offload.plan.choice import choose
+    from offload.plan.planner import Policy
 
     parser = argparse.ArgumentParser()
     planner_cli.add_arguments(parser)
@@ -527,7 +527,7 @@ def train(args, ranks: Ranks) -> int:
     import offload
     from offload import OffloadError
     from offload.models.llama import flops_per_token, get_preset, param_count
-    from offload.planner import format_size
+    from offload.plan.planner import format_size
 
     say = ranks.say
     with ranks.together():
@@ -573,7 +573,7 @@ def train(args, ranks: Ranks) -> int:
         with ranks.together():
             if ranks.lead:
                 result, sources, notes = make_plan(args, cfg, config, described, ranks)
-                from offload.planner_cli import format_plan
+                from offload.plan.cli import format_plan
 
                 decided = {"text": format_plan(result, sources), "fits": result.fits, "reason": result.reason,
                            "predicted": result.predicted_step_s, "policy": result.policy,

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import offload
-from offload.planner import Hardware
-from offload.planner_activations import area_budget
+from offload.plan.planner import Hardware
+from offload.plan.activations import area_budget
 from offload.tiers.budgets import AUTO_AREA_MIN, resolve_budgets
 
 GiB = 1 << 30

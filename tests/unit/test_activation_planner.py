@@ -11,9 +11,9 @@ import pytest
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS
-from offload.planner import Hardware, Policy, plan
-from offload.planner_activations import ACT_WINDOW_LAYERS
-from offload.planner_choice import choose, family_of
+from offload.plan.planner import Hardware, Policy, plan
+from offload.plan.activations import ACT_WINDOW_LAYERS
+from offload.plan.choice import choose, family_of
 
 H100_BOX = dict(gpu_mem=80 << 30, cpu_mem=512 << 30, nvme_capacity=8 << 40, nvme_read_gbps=25.0,
                 nvme_write_gbps=25.0, pcie_gbps=25.0, compute_tflops=400.0, adam_params_per_s=4e9)

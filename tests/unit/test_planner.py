@@ -8,11 +8,11 @@ import types
 
 import pytest
 
-from offload import planner_cli
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS, param_count
-from offload.planner import Hardware, Policy, format_size, plan
+from offload.plan import cli as planner_cli
+from offload.plan.planner import Hardware, Policy, format_size, plan
 
 N100 = param_count(PRESETS["100b"])
 H100_BOX = dict(gpu_mem=80 << 30, cpu_mem=512 << 30, nvme_capacity=8 << 40, nvme_read_gbps=25.0,
@@ -46,7 +46,7 @@ def test_chunk_geometry_matches_the_engine():
     """Same chunk size and count as ``OffloadEngine`` builds for the same budgets."""
     from offload.chunks.layout import DEFAULT_MAX_CHUNK, ChunkLayout, auto_max_chunk
     from offload.models.llama import LlamaForCausalLM
-    from offload.planner import chunk_geometry, param_numels
+    from offload.plan.planner import chunk_geometry, param_numels
 
     cfg = PRESETS["tiny"]
     import torch

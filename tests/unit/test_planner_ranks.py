@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from offload import planner_cli
 from offload.cli import main
 from offload.errors import ConfigError
-from offload.planner import Hardware, Policy, plan, rank_share
+from offload.plan import cli as planner_cli
+from offload.plan.planner import Hardware, Policy, plan, rank_share
 
 BOX = dict(gpu_mem=80 << 30, cpu_mem=1 << 40, nvme_capacity=32 << 40, nvme_read_gbps=25.0,
            nvme_write_gbps=25.0, pcie_gbps=25.0, compute_tflops=400.0, adam_params_per_s=4e9,

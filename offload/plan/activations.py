@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations.parking import SPILL_WATERMARK
-from .tiers.budgets import auto_activation_area
+from ..activations.parking import SPILL_WATERMARK
+from ..tiers.budgets import auto_activation_area
 
 ACT_WINDOW_LAYERS = 5
 """Layer inputs on the GPU at once when parked: the one in use and ``activation_prefetch`` (4) ahead."""

@@ -1,6 +1,6 @@
 """The planner: where a model's state goes on a box, what moves per step, and how long a step takes.
 
-Pure arithmetic over figures someone measured or stated (``offload/planner_cli.py`` gathers them);
+Pure arithmetic over figures someone measured or stated (``offload/plan/cli.py`` gathers them);
 nothing here measures, allocates or touches a device. It models what ``OffloadEngine`` does:
 
 Units: bytes, seconds, parameters (elements); bandwidths in GB/s and compute in TFLOPS, both
@@ -60,12 +60,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
-from .chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, auto_max_chunk, pack, search_chunk_size
-from .errors import ConfigError
-from .planner_activations import activation_problems, area_budget, place_activations
-from .models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
-from .tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
+from ..chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, auto_max_chunk, pack, search_chunk_size
+from ..errors import ConfigError
+from ..models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
+from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
                            min_device_bytes_sharded)
+from .activations import activation_problems, area_budget, place_activations
 
 GB = 1e9
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -1,5 +1,5 @@
 """``offload plan``: gather the box's figures (measured here, read from bench JSON, or stated for a box
-you are not on), run ``offload.planner.plan`` and print the plan; exit 1 when it does not fit.
+you are not on), run ``offload.plan.planner.plan`` and print the plan; exit 1 when it does not fit.
 
 Any of ``--nvme-capacity``, ``--nvme-gbps`` or ``--gpu-tflops`` means "describe another box": then
 nothing is measured, figures not given take the stated assumptions below, and the ones without an
@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from .bench.common import seconds_per_call
-from .config import read_json_object
-from .errors import ConfigError, OffloadError
+from ..bench.common import seconds_per_call
+from ..config import read_json_object
+from ..errors import ConfigError, OffloadError
+from ..tiers.nvme import nvme_capacity
+from ..units import parse_bytes
+from .choice import choice_json, choose, format_choice
 from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size
-from .planner_choice import choice_json, choose, format_choice
-from .tiers.nvme import nvme_capacity
-from .units import parse_bytes
 
 ASSUMED_PCIE_GBPS = 25.0          # PCIe Gen4 x16 with pinned buffers, each way
 ASSUMED_ADAM_PARAMS_PER_S = 4e9   # a fused CPU AdamW on a server socket (~110 GB/s at 28 B/param)
@@ -128,11 +128,11 @@ def describe_models(args: argparse.Namespace) -> list:
         return args._described
     out = []
     if Path(args.model).is_dir():
-        from .hf.describe import describe
+        from ..hf.describe import describe
 
         out.append(describe(args.model))
         if args.lora_rank:
-            from .hf.lora import LoraSettings
+            from ..hf.lora import LoraSettings
 
             targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
             out.append(describe(args.model, LoraSettings(rank=args.lora_rank, targets=targets)))
@@ -319,7 +319,7 @@ def _number(data: dict, key: str, where: str) -> float:
 def _measure_nvme(paths: list[str], notes: list[str]) -> tuple[float, float]:
     """Aggregate read/write GB/s: one small run per distinct filesystem, summed (striping)."""
     try:
-        from .bench.nvme import measure
+        from ..bench.nvme import measure
         seen, read, write = set(), 0.0, 0.0
         for p in paths:
             dev = os.stat(p).st_dev
@@ -339,7 +339,7 @@ def _measure_adam(dtype: str, notes: list[str]) -> float:
     try:
         import inspect
 
-        from .bench.adam import measure
+        from ..bench.adam import measure
         extra = {"with_torch": False} if "with_torch" in inspect.signature(measure).parameters else {}
         r = measure(params=ADAM_PROBE_PARAMS, threads=None, grad_dtype=dtype,
                     out_dtype="none" if dtype == "fp32" else dtype, repeats=3, **extra)
@@ -388,7 +388,7 @@ def _gpu_tflops(cuda, dtype: str) -> float:
 def _pcie_gbps(cuda) -> float:
     """min(H2D, D2H) of a 256 MiB copy, GB/s, from host memory pinned the way the engine pins its
     CPU tier (mmap + cudaHostRegister)."""
-    from .bench import pcie
+    from ..bench import pcie
 
     rates = pcie.measure()
     return min(rates["h2d_gbps"], rates["d2h_gbps"])
@@ -406,7 +406,7 @@ def probe_cpu_gflops(model: str, dtype: str, seq_len: int | None,
     the median call over ~1.5 s. The planner adds the checkpoint recompute (x4/3) itself."""
     import torch
 
-    from .models.llama import (LlamaDecoderLayer, get_preset, layer_matmul_params,
+    from ..models.llama import (LlamaDecoderLayer, get_preset, layer_matmul_params,
                                layer_param_count, rope_tables)
 
     cfg = get_preset(model) if isinstance(model, str) else model
