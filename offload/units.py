@@ -1,4 +1,6 @@
-"""Byte counts: parse the sizes users type ("4GiB", "512MB", "2G") and print them back."""
+"""Byte counts: parse the sizes users type ("4GiB", "512MB", "2G") and print them back, in binary
+units (``format_bytes``: MiB, GiB) or decimal ones (``format_size``: GB, TB, as the planner quotes
+disk and memory sizes)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,11 @@ def format_bytes(n: float) -> str:
             return f"{int(n)} {unit}" if unit == "B" else f"{n:.{1 if abs(n) >= 10 else 2}f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def format_size(n: float) -> str:
+    """Human-readable decimal size (1 GB = 1e9 bytes): 512 B, 72.00 GB, 512 GB, 1.40 TB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"

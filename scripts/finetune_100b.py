@@ -527,7 +527,7 @@ def train(args, ranks: Ranks) -> int:
     import offload
     from offload import OffloadError
     from offload.models.llama import flops_per_token, get_preset, param_count
-    from offload.plan.planner import format_size
+    from offload.units import format_size
 
     say = ranks.say
     with ranks.together():

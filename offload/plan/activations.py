@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..activations.parking import SPILL_WATERMARK
 from ..tiers.budgets import auto_activation_area
+from ..units import format_size
 
 ACT_WINDOW_LAYERS = 5
 """Layer inputs on the GPU at once when parked: the one in use and ``activation_prefetch`` (4) ahead."""
@@ -38,8 +39,6 @@ class ActivationPlacement:
     """Of ``host_bytes``, what goes to NVMe and back."""
 
     def describe(self, micro_batches: int) -> str:
-        from .planner import format_size
-
         out = ""
         if micro_batches > 1:
             out += f"; {micro_batches} micro-batches (gradient accumulation)"
@@ -76,8 +75,6 @@ def place_activations(cfg, elem: int, mode: str, micro_tokens: int, per_token: d
 
 
 def activation_problems(placed: ActivationPlacement, mode: str, gpu: bool, nvme_tier: bool) -> list[str]:
-    from .planner import format_size
-
     if mode == "none":
         return []
     if not gpu:

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..units import format_size
 from .planner import GPU_WORKSPACE, Hardware, Plan, Policy, plan, resolve_model
 
 TIE = 0.01
@@ -114,8 +115,6 @@ def describe_way(p: Plan) -> str:
 
 def format_choice(c: Choice) -> str:
     """The ways to the batch and their predicted steps (what ``offload plan`` prints after the plan)."""
-    from .planner import format_size
-
     tokens = c.given.policy["batch_tokens"]
     lines = ["", f"ways to {tokens} tokens/step ({c.candidates} plan{'s' if c.candidates != 1 else ''}; "
                          "the fastest that fits is chosen)"]

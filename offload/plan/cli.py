@@ -22,9 +22,9 @@ from ..bench.common import seconds_per_call
 from ..config import read_json_object
 from ..errors import ConfigError, OffloadError
 from ..tiers.nvme import nvme_capacity
-from ..units import parse_bytes
+from ..units import format_size, parse_bytes
 from .choice import choice_json, choose, format_choice
-from .planner import DTYPE_BYTES, Hardware, Plan, Policy, format_size
+from .planner import DTYPE_BYTES, Hardware, Plan, Policy
 
 ASSUMED_PCIE_GBPS = 25.0          # PCIe Gen4 x16 with pinned buffers, each way
 ASSUMED_ADAM_PARAMS_PER_S = 4e9   # a fused CPU AdamW on a server socket (~110 GB/s at 28 B/param)

@@ -65,6 +65,7 @@ from ..errors import ConfigError
 from ..models.llama import LlamaConfig, flops_per_token, get_preset, layer_param_count
 from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
                            min_device_bytes_sharded)
+from ..units import format_size
 from .activations import activation_problems, area_budget, place_activations
 
 GB = 1e9
@@ -240,14 +241,6 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def format_size(n: float) -> str:
-    """Decimal size, as DESIGN.md quotes them: 1.40 TB, 72.0 GB."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 def resolve_model(model: Union[str, LlamaConfig]) -> tuple[str, LlamaConfig]:

@@ -12,7 +12,8 @@ from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS, param_count
 from offload.plan import cli as planner_cli
-from offload.plan.planner import Hardware, Policy, format_size, plan
+from offload.plan.planner import Hardware, Policy, plan
+from offload.units import format_size
 
 N100 = param_count(PRESETS["100b"])
 H100_BOX = dict(gpu_mem=80 << 30, cpu_mem=512 << 30, nvme_capacity=8 << 40, nvme_read_gbps=25.0,
