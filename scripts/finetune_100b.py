@@ -393,18 +393,18 @@ def rank_paths(args, ranks: Ranks) -> list[str]:
 def make_plan(args, cfg, config, described=None, ranks: Ranks = Ranks()):
     """Run the planner on this box (it measures NVMe, Adam and compute) for one rank's share of it;
     returns (plan, sources, notes)."""
-    from offload.plan import cli as planner_cli
-    from offload.plan.choice import choose
-    from offload.plan.planner import Policy
+    from offload.plan import Policy, choose
+    from offload.plan.cli import add_arguments
+    from offload.plan.figures import gather_hardware
 
     parser = argparse.ArgumentParser()
-    planner_cli.add_arguments(parser)
+    add_arguments(parser)
     argv = ["--model", args.model or args.preset, "--dtype", args.dtype, "--batch-tokens", str(args.batch_tokens),
             "--seq-len", str(args.seq_len)]
     for path in rank_paths(args, ranks):
         argv += ["--nvme-path", path]
     pargs = parser.parse_args(argv)
-    hardware, sources, notes = planner_cli.gather_hardware(pargs)
+    hardware, sources, notes = gather_hardware(pargs)
     if ranks.many and hardware.gpu_mem is None and sources.get("compute_tflops", "").startswith("measured"):
         # The planner takes the box's figures and gives each rank 1/local_world. A CPU-only rank
         # computes with its own threads (torchrun: OMP_NUM_THREADS=1), as measured here: the box
@@ -573,7 +573,7 @@ def train(args, ranks: Ranks) -> int:
         with ranks.together():
             if ranks.lead:
                 result, sources, notes = make_plan(args, cfg, config, described, ranks)
-                from offload.plan.cli import format_plan
+                from offload.plan import format_plan
 
                 decided = {"text": format_plan(result, sources), "fits": result.fits, "reason": result.reason,
                            "predicted": result.predicted_step_s, "policy": result.policy,

@@ -1,4 +1,5 @@
-"""The planner's activation arithmetic: where one micro-batch's activations sit, and what that moves.
+"""The planner's activation arithmetic: how many bytes a token's activations take, where one
+micro-batch's activations sit, and what that moves.
 
 With activation checkpointing each layer keeps its input (tokens x hidden x e bytes) until its
 backward; everything else a layer saves lives only while that layer runs. Kept on the GPU
@@ -15,11 +16,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..activations.parking import SPILL_WATERMARK
+from ..models.llama import LlamaConfig
 from ..tiers.budgets import auto_activation_area
 from ..units import format_size
 
 ACT_WINDOW_LAYERS = 5
 """Layer inputs on the GPU at once when parked: the one in use and ``activation_prefetch`` (4) ahead."""
+
+
+def activation_bytes_per_token(cfg: LlamaConfig, elem: int, checkpointing: bool) -> dict:
+    """Estimated device bytes per token of batch for activations, by part (fused attention assumed).
+
+    layer_inputs: what checkpointing keeps (each layer's input). layer_working: one layer's saved
+    tensors (q, k, v, attention out, two norms, residuals ~10 d + 2 kv; gate, up, silu, product
+    4 I) and their gradients during its backward (x2); without checkpointing every layer keeps its
+    saved tensors. logits: the lm_head output, its fp32 copy for the loss and the fp32 gradient.
+    """
+    saved = (10 * cfg.hidden_size + 2 * cfg.kv_dim + 4 * cfg.intermediate_size) * elem
+    if checkpointing:
+        inputs, working = cfg.num_layers * cfg.hidden_size * elem, 2 * saved
+    else:
+        inputs, working = 0, cfg.num_layers * saved + saved
+    return {"layer_inputs": inputs, "layer_working": working, "logits": cfg.vocab_size * (elem + 8)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +77,7 @@ def area_budget(hw, device_budget: int, cpu_budget: int) -> int:
 def place_activations(cfg, elem: int, mode: str, micro_tokens: int, per_token: dict,
                       area: int) -> ActivationPlacement:
     """Where ``micro_tokens`` tokens' activations sit under ``mode`` ("none", "cpu", "nvme");
-    ``per_token``: ``planner.activation_bytes_per_token``."""
+    ``per_token``: ``activation_bytes_per_token``."""
     if mode == "none":
         dev = sum(per_token.values())
         return ActivationPlacement(mode, dev, dev * micro_tokens, 0, area, 0, 0)
@@ -75,6 +93,7 @@ def place_activations(cfg, elem: int, mode: str, micro_tokens: int, per_token: d
 
 
 def activation_problems(placed: ActivationPlacement, mode: str, gpu: bool, nvme_tier: bool) -> list[str]:
+    """Why activations cannot be placed as ``mode`` says on this box ([] when they can)."""
     if mode == "none":
         return []
     if not gpu:

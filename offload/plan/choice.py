@@ -1,7 +1,7 @@
 """Choosing how to reach a token count per step: activations on the GPU, parked activations, gradient
 accumulation, or a mix; the fastest plan that fits wins.
 
-Each way is a ``Policy`` for ``planner.plan``: ``activation_offload`` in "none"/"cpu"/"nvme" times
+Each way is a ``Policy`` for ``plan``: ``activation_offload`` in "none"/"cpu"/"nvme" times
 ``micro_batches`` from 1 up to one sequence per micro-batch. When the policy leaves the device
 budget to the engine ("auto") and the activations do not fit beside it, the candidate is also
 tried with the device budget cut to what the activations leave of the GPU (not below the engine's
@@ -16,8 +16,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..units import format_size
-from .planner import GPU_WORKSPACE, Hardware, Plan, Policy, plan, resolve_model
+from .inputs import Hardware, Policy
+from .memory import GPU_WORKSPACE
+from .model import resolve_model
+from .planner import Plan, plan
 
 TIE = 0.01
 MAX_MICRO_BATCHES = 64
@@ -38,6 +40,7 @@ class Choice:
 
 
 def family_of(p: Plan) -> str:
+    """The family of ways (``FAMILIES``) that ``p``'s policy belongs to."""
     k, mode = p.policy["micro_batches"], p.policy["activation_offload"]
     return ("gpu" if mode == "none" else "offload") if k == 1 else ("accumulate" if mode == "none" else "mix")
 
@@ -102,41 +105,8 @@ def _budget_for_activations(p: Plan, hw: Hardware) -> int | None:
     return budget
 
 
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s" if s < 100 else f"{s:.0f} s"
-
-
-def describe_way(p: Plan) -> str:
-    po, b = p.policy, p.breakdown
-    where = {"none": "activations on the GPU", "cpu": "activations parked in RAM",
-             "nvme": "activations parked in RAM + NVMe"}[po["activation_offload"]]
-    return f"{po['micro_batches']} x {b['micro_batch_tokens']} tokens, {where}"
-
-
-def format_choice(c: Choice) -> str:
-    """The ways to the batch and their predicted steps (what ``offload plan`` prints after the plan)."""
-    tokens = c.given.policy["batch_tokens"]
-    lines = ["", f"ways to {tokens} tokens/step ({c.candidates} plan{'s' if c.candidates != 1 else ''}; "
-                         "the fastest that fits is chosen)"]
-    for fam, label in FAMILIES:
-        p = c.families.get(fam)
-        if p is None:
-            continue
-        mark = "  <- chosen" if c.best is not None and p is c.best else ""
-        budget = format_size(p.breakdown["device_budget"])
-        if p.fits:
-            outcome = f"{_seconds(p.predicted_step_s):>8}  bound by {p.bottleneck}"
-        else:
-            outcome = f"{'-':>8}  refused: {p.reason.split(';')[0]}"
-        lines.append(f"  {label:<38} {describe_way(p):<52} device budget {budget:>9}  {outcome}{mark}")
-    if c.best is None:
-        lines.append("  none fits")
-    elif family_of(c.best) not in c.families or c.families[family_of(c.best)] is not c.best:
-        lines.append(f"  chosen: {describe_way(c.best)}, {_seconds(c.best.predicted_step_s)}")
-    return "\n".join(lines)
-
-
 def choice_json(c: Choice) -> dict:
+    """The choice as ``offload plan --json`` writes it under "ways"."""
     return {"chosen": None if c.best is None else {"family": family_of(c.best), **_way(c.best)},
             "ways": {fam: _way(p) for fam, p in c.families.items()}, "candidates": c.candidates}
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.plan.planner import Hardware
+from offload.plan import Hardware
 from offload.plan.activations import area_budget
 from offload.tiers.budgets import AUTO_AREA_MIN, resolve_budgets
 

@@ -11,7 +11,7 @@ import pytest
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS
-from offload.plan.planner import Hardware, Policy, plan
+from offload.plan import Hardware, Policy, plan
 from offload.plan.activations import ACT_WINDOW_LAYERS
 from offload.plan.choice import choose, family_of
 

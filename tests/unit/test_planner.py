@@ -11,8 +11,7 @@ import pytest
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models import PRESETS, param_count
-from offload.plan import cli as planner_cli
-from offload.plan.planner import Hardware, Policy, plan
+from offload.plan import Hardware, Policy, plan, probes
 from offload.units import format_size
 
 N100 = param_count(PRESETS["100b"])
@@ -47,7 +46,7 @@ def test_chunk_geometry_matches_the_engine():
     """Same chunk size and count as ``OffloadEngine`` builds for the same budgets."""
     from offload.chunks.layout import DEFAULT_MAX_CHUNK, ChunkLayout, auto_max_chunk
     from offload.models.llama import LlamaForCausalLM
-    from offload.plan.planner import chunk_geometry, param_numels
+    from offload.plan.model import chunk_geometry, param_numels
 
     cfg = PRESETS["tiny"]
     import torch
@@ -328,7 +327,7 @@ def _local(tmp_path):
 
 
 def test_cli_uses_the_bench_measurements(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(planner_cli, "_cuda", lambda: None)
+    monkeypatch.setattr(probes, "cuda_or_none", lambda: None)
     nvme = _fake_bench("nvme", lambda path, **kw: {"read_gbps": 1.5, "write_gbps": 2.5, "path": path})
     adam = _fake_bench("adam", lambda **kw: {"results": {"torch": {"params_per_s": 1e9},
                                                          "offload": {"params_per_s": 2e9}}})
@@ -343,7 +342,7 @@ def test_cli_uses_the_bench_measurements(capsys, tmp_path, monkeypatch):
 
 
 def test_cli_failing_bench_asks_for_the_figure(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(planner_cli, "_cuda", lambda: None)
+    monkeypatch.setattr(probes, "cuda_or_none", lambda: None)
     def broken(**kw):
         raise RuntimeError("no SIMD today")
     adam = _fake_bench("adam", broken)
@@ -361,7 +360,7 @@ def _bench_file(tmp_path):
 
 
 def test_cli_reads_saved_bench_files(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(planner_cli, "_cuda", lambda: None)
+    monkeypatch.setattr(probes, "cuda_or_none", lambda: None)
     adam = tmp_path / "adam.json"
     adam.write_text(json.dumps({"results": {"offload": {"params_per_s": 1.7e9}}}))
     argv = _local(tmp_path) + ["--nvme-bench", str(_bench_file(tmp_path)), "--adam-bench", str(adam),

@@ -11,7 +11,8 @@ import pytest
 from offload.cli import main
 from offload.errors import ConfigError
 from offload.models.llama import LlamaConfig
-from offload.plan.planner import Hardware, Policy, param_numels, plan
+from offload.plan import Hardware, Policy, plan
+from offload.plan.model import param_numels
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,7 +61,7 @@ def test_lora_frozen_parameters_cost_only_parameter_chunks(llama_dir):
     p_lora = plan(lora.shape, Hardware(**BOX), policy, params=lora.params)
     b = p_lora.breakdown
     assert b["trainable_params"] == lora.trainable and b["trainable_chunks"] == 1
-    from offload.plan.planner import chunk_sizes
+    from offload.plan.model import chunk_sizes
 
     layout = ([k for k, _ in lora.params], [t for _, t in lora.params])
     _, sizes, trainable = chunk_sizes(lora.shape, 8 << 20, 8 << 20, 16384, layout=layout)

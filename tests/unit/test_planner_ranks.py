@@ -10,8 +10,9 @@ import pytest
 
 from offload.cli import main
 from offload.errors import ConfigError
-from offload.plan import cli as planner_cli
-from offload.plan.planner import Hardware, Policy, plan, rank_share
+from offload.plan import Hardware, Policy, plan
+from offload.plan import cli as plan_cli
+from offload.plan.inputs import rank_share
 
 BOX = dict(gpu_mem=80 << 30, cpu_mem=1 << 40, nvme_capacity=32 << 40, nvme_read_gbps=25.0,
            nvme_write_gbps=25.0, pcie_gbps=25.0, compute_tflops=400.0, adam_params_per_s=4e9,
@@ -106,4 +107,4 @@ def test_plan_command_takes_the_world(capsys):
     assert "data parallel: 4 ranks, 4 on this box" in out and "this rank's" in out
     assert main(args + ["--world", "2", "--local-world", "4"]) == 1
     assert "--local-world=4" in capsys.readouterr().err
-    assert planner_cli._ranks(type("A", (), {"world": 4, "local_world": None})()) == {"world": 4, "local_world": 4}
+    assert plan_cli._ranks(type("A", (), {"world": 4, "local_world": None})()) == {"world": 4, "local_world": 4}

@@ -1,0 +1,223 @@
+"""Where one rank's state sits: the budgets, the bytes each tier holds by kind, the NVMe space, and
+whether it all fits (bytes throughout).
+
+* Kinds, bytes per element: compute parameters ``e`` (2 for bf16/fp16, 4 for fp32), fp32
+  gradients 4, fp32 master 4 (none for fp32 compute: the parameter is the master), ``exp_avg`` 4,
+  ``exp_avg_sq`` 4 — 18 B/param for bf16, 16 for fp32. Frozen chunks hold parameters only.
+* Budgets are chunk storage only. ``device_budget``: parameter chunks and the fp32 gradient chunks
+  being filled on the compute device; activations, autograd temporaries and the CUDA context are
+  outside it (torch's allocator), so a GPU needs device_budget + activations + workspace, and a
+  CPU-only box (whose "device" is a region of RAM) device_budget + cpu_budget + activations of
+  RAM. ``cpu_budget``: chunks of every kind in RAM; NVMe I/O goes straight into them (no staging).
+  Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
+  CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
+* Minimums: the engine's own (``tiers.budgets.min_device_bytes`` / ``min_cpu_bytes``): the device
+  holds the largest chunk and 2 bulk chunks, parameters and fp32 gradients, at once (the tied
+  embedding's and a module's that may straddle two), the CPU one chunk of each kind for the
+  optimizer (18 B x the largest chunk in bf16).
+* Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
+  (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
+  updates and the next one's prefetch), parameters first (read every step), then master,
+  ``exp_avg``, ``exp_avg_sq`` (and whole gradients when the step is deferred or micro-batches
+  accumulate into them). With NVMe paths every chunk of every kind has a slot reserved up front:
+  NVMe space needed = all chunks.
+* Under data parallelism the figures are one rank's: the state of the chunks it owns, on its share
+  of the box (``inputs.rank_share``); the device still holds every parameter chunk it uses, gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
+                             min_device_bytes_sharded)
+from ..units import format_size
+from .activations import ActivationPlacement, activation_problems
+from .inputs import Hardware, Policy
+from .model import RankChunks
+
+STATE_KINDS = ("params", "master", "exp_avg", "exp_avg_sq", "grads")
+"""The CPU tier's priority order (gradients only stay there whole when the step is deferred)."""
+
+CPU_WORKING_SETS = 2
+"""Chunk sets (one chunk of every kind) the CPU tier keeps free for Adam: the chunk being updated
+and the next one being prefetched."""
+GPU_WORKSPACE = 1 << 30
+"""GPU memory outside the budget and the activations: CUDA context, cuBLAS workspace, allocator slack."""
+
+
+def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None) -> tuple[int, int]:
+    """``(device_budget, cpu_budget)`` as ``offload.tiers.budgets.resolve_budgets`` turns "auto" into
+    bytes, with ``gpu_mem`` and ``cpu_mem`` standing for the free GPU memory and available RAM."""
+    gpu = hw.gpu_mem is not None
+    if device_budget is None:
+        device_budget = int(hw.gpu_mem * AUTO_DEVICE_SHARE_CUDA) if gpu else int(hw.cpu_mem * AUTO_DEVICE_SHARE_CPU)
+    if cpu_budget is None:
+        taken = 0 if gpu else device_budget
+        cpu_budget = max(int((hw.cpu_mem - taken) * AUTO_CPU_SHARE), 1 << 20)
+    return device_budget, cpu_budget
+
+
+def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
+    """Fill ``room`` bytes with ``kinds`` in ``order``: (what stays, what spills)."""
+    here, rest = {}, {}
+    room = max(room, 0)
+    for kind in order:
+        take = min(kinds.get(kind, 0), room)
+        room -= take
+        here[kind], rest[kind] = take, kinds.get(kind, 0) - take
+    return here, rest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Memory:
+    """Where one rank's state sits (bytes)."""
+
+    per_elem: dict
+    """Bytes per element of each kind: {"params", "grads", "master", "exp_avg", "exp_avg_sq"}."""
+    total: dict
+    """Bytes of each kind in the rank's chunks (gradients, master and moments of trainable ones only)."""
+    all_params: int
+    """Parameter bytes of every chunk of the model: what the device sees, gathered."""
+    dev_params: int
+    """Parameter bytes the device keeps beside a layer's gradient chunks."""
+    device_min: int
+    """The engine's smallest device budget for this layout."""
+    cpu_min: int
+    """The engine's smallest CPU budget: one chunk of every kind for Adam."""
+    working: int
+    """CPU room kept for Adam's chunk sets."""
+    spill: dict
+    """Bytes of each kind below the CPU tier (on NVMe)."""
+    tiers: dict
+    """{"device"|"cpu"|"nvme": {"bytes": total, <kind>: bytes, ...}}"""
+    nvme_needed: int
+    """NVMe space reserved: a slot for every chunk of every kind, and the activations' spill."""
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of every kind of the rank's chunks."""
+        return sum(self.total.values())
+
+    @property
+    def resident(self) -> bool:
+        """Does the device keep every parameter chunk?"""
+        return self.dev_params == self.all_params
+
+
+def place_state(chunks: RankChunks, placed: ActivationPlacement, *, dtype_bytes: int, layer_params: int,
+                world: int, device_budget: int, cpu_budget: int, hold_grads: bool, nvme_tier: bool) -> Memory:
+    """Put the state of ``chunks`` (the rank's) on the device, the CPU and NVMe; ``layer_params``:
+    elements of one decoder layer; ``hold_grads``: gradients are held whole until the update (a
+    deferred step, or micro-batches accumulating into them); ``nvme_tier``: is there one?"""
+    e = dtype_bytes
+    per_elem = {"params": e, "grads": 4, "master": 4 if e < 4 else 0, "exp_avg": 4, "exp_avg_sq": 4}
+    total = {k: (chunks.elems if k == "params" else chunks.trained) * b for k, b in per_elem.items()}
+    set_bytes = chunks.largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
+    state_bytes = sum(total.values())
+    all_params = chunks.all_elems * e              # what the device sees: every chunk, gathered
+    chunk, largest = chunks.chunk_size, chunks.largest
+
+    # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
+    # A layer's chunks: whole bulk chunks, or (its matrices in chunks of their own) its parameters,
+    # plus one chunk it may straddle into.
+    layer_elems = min(-(-layer_params // chunk) * chunk, layer_params + chunk) + chunk
+    grads_window = min(chunks.all_trained * 4, layer_elems * 4)
+    dev_params = min(all_params, max(0, device_budget - grads_window))
+    device_min = min_device_bytes_sharded(chunk, e, largest, world)   # gathered groups under several ranks
+    tiers_device = {"params": dev_params, "grads": grads_window, "activations": placed.device_bytes}
+
+    # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
+    cpu_min = max(min_cpu_bytes(chunks.largest_trained, e), largest * e)
+    working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
+    lower = dict(total)            # what lives below the device
+    # consumed by Adam as they arrive, unless held whole
+    lower["grads"] = total["grads"] if hold_grads else 0
+    cpu, spill = _split(lower, STATE_KINDS, cpu_budget - working)
+    if not nvme_tier:
+        # the CPU tier is the bottom: everything must be held in RAM (the device's parameters are copies)
+        spill = {k: 0 for k in spill}
+    tiers = {"device": {"bytes": sum(tiers_device.values()), **tiers_device},
+             "cpu": {"bytes": sum(cpu.values()) + working + placed.area_bytes, "working": working, **cpu,
+                     "activations": placed.area_bytes},
+             "nvme": {"bytes": sum(spill.values()) + placed.spill_bytes, **spill, "activations": placed.spill_bytes}}
+    # a slot for every chunk of every kind, and the activations' spill space
+    nvme_needed = state_bytes + placed.spill_bytes if nvme_tier else 0
+    return Memory(per_elem=per_elem, total=total, all_params=all_params, dev_params=dev_params,
+                  device_min=device_min, cpu_min=cpu_min, working=working, spill=spill, tiers=tiers,
+                  nvme_needed=nvme_needed)
+
+
+def max_batch_tokens(hw: Hardware, placed: ActivationPlacement, device_budget: int, cpu_budget: int, *,
+                     world: int, micro_batches: int, seq: int) -> int:
+    """Largest batch (tokens/step, all ranks) whose activations fit beside the budgets: in GPU
+    memory, or in RAM without a GPU."""
+    if hw.gpu_mem is not None:
+        act_room = hw.gpu_mem - device_budget - GPU_WORKSPACE
+    else:
+        act_room = hw.cpu_mem - device_budget - cpu_budget
+    return world * micro_batches * (act_room // placed.device_per_token // seq * seq) if act_room > 0 else 0
+
+
+def fit_problems(hw: Hardware, po: Policy, mem: Memory, chunks: RankChunks, placed: ActivationPlacement, *,
+                 device_budget: int, cpu_budget: int, max_batch: int, micro_tokens: int,
+                 rank_tokens: int) -> list[str]:
+    """Why the plan cannot run, one message per reason ([] when it fits)."""
+    gpu, nvme_tier, world = hw.gpu_mem is not None, hw.nvme_capacity > 0, po.world
+    act_total, largest = placed.device_bytes, chunks.largest
+    problems = []
+    if device_budget < mem.device_min:
+        problems.append(
+            f"device budget {format_size(device_budget)} is below the largest chunk ({largest:,} elements) "
+            f"and 2 chunks of {chunks.chunk_size:,}, parameters and fp32 gradients "
+            f"({format_size(mem.device_min)}): the "
+            f"device holds the tied embedding's chunks and a module's (which may straddle two) at once"
+            + ("" if world == 1 else f", and under {world} ranks each chunk in use brings its group of {world}: "
+               "4 gathered parameter groups and 2 gradient groups being reduced"))
+    if cpu_budget < mem.cpu_min:
+        problems.append(
+            f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
+            f"({format_size(mem.cpu_min)}: {largest:,} elements x {sum(mem.per_elem.values())} B) "
+            "that Adam needs at once")
+    if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
+        problems.append(
+            f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "
+            f"{format_size(device_budget)} + {format_size(act_total)} activations for {micro_tokens} "
+            f"tokens + {format_size(GPU_WORKSPACE)} workspace), has {format_size(hw.gpu_mem)}; at most "
+            f"{max_batch} tokens/step fit")
+    problems += activation_problems(placed, po.activation_offload, gpu, nvme_tier)
+    if not gpu and device_budget + cpu_budget + act_total > hw.cpu_mem:
+        problems.append(
+            f"RAM needs {format_size(device_budget + cpu_budget + act_total)} (device budget "
+            f"{format_size(device_budget)} + CPU budget {format_size(cpu_budget)} + "
+            f"{format_size(act_total)} activations for {rank_tokens} tokens), "
+            f"{format_size(hw.cpu_mem)} available; at most {max_batch} tokens/step fit")
+    if not nvme_tier:
+        held = mem.state_bytes - (0 if po.defer_step else mem.total["grads"])
+        if held > cpu_budget - mem.working:
+            problems.append(f"state needs {format_size(held)} in RAM beyond the CPU budget's room of "
+                            f"{format_size(max(cpu_budget - mem.working, 0))} and there is no NVMe tier "
+                            f"(give --nvme-path)")
+    elif mem.nvme_needed > hw.nvme_capacity:
+        problems.append(f"NVMe needs {format_size(mem.nvme_needed)}, {format_size(hw.nvme_capacity)} free at "
+                        f"{hw.nvme_where}")
+    return problems
+
+
+def verdict(hw: Hardware, po: Policy, mem: Memory, placed: ActivationPlacement, problems: list[str], *,
+            device_budget: int, cpu_budget: int) -> str:
+    """The plan's one-line reason: what does not fit, or the budgets it fits in."""
+    world = po.world
+    ranks_note = "" if world == 1 else (
+        f" (one rank of {world}, {po.local_world} on this box sharing its RAM, NVMe and CPU)")
+    act_total = placed.device_bytes
+    if problems:
+        return "; ".join(problems) + ranks_note
+    if hw.gpu_mem is not None:
+        return (f"fits: device budget {format_size(device_budget)} + {format_size(act_total)} activations "
+                f"on the GPU of {format_size(hw.gpu_mem)}, CPU budget {format_size(cpu_budget)}, "
+                f"{format_size(mem.nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}"
+                + placed.describe(po.micro_batches) + ranks_note)
+    return (f"fits: budgets {format_size(device_budget)} (device) + {format_size(cpu_budget)} (CPU) "
+            f"+ {format_size(act_total)} activations in RAM of {format_size(hw.cpu_mem)}, "
+            f"{format_size(mem.nvme_needed)} on NVMe of {format_size(hw.nvme_capacity)}" + ranks_note)
