@@ -93,7 +93,7 @@ def _build_ours(spec: dict, rank: int):
 
     model, _ = build_model(spec["cfg"], spec["device"])
     model = model.cpu() if spec["device"] == "cuda" else model
-    nvme = [os.path.join(spec["path"], "rank{rank}")] if spec["nvme"] else None
+    nvme = [os.path.join(spec["path"], f"rank{rank}")] if spec["nvme"] else None
     config = OffloadConfig(device=spec["device"], dtype="bf16", device_budget=spec["device_budget"],
                            cpu_budget=spec["cpu_budget"], nvme_paths=nvme,
                            optimizer_threads=spec["threads"], chunk_size=spec["chunk_size"])
