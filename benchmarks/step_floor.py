@@ -38,12 +38,12 @@ def main() -> int:
     import torch
 
     from offload.aio import AsyncIO, aligned_empty, free_bytes
-    from offload.bench.step import _batch, _build
+    from offload.bench.workload import build_model, token_batch
     from offload.config import AioConfig
     from offload.optim.kernel import adam_step
 
-    model, cfg = _build(args.preset, "cpu")
-    ids = _batch(cfg, 512, "cpu")
+    model, cfg = build_model(args.preset, "cpu")
+    ids = token_batch(cfg, 512, "cpu")
     n = -(-sum(p.numel() for p in model.parameters()) // args.chunk)
     set_bytes = args.chunk * 4 * 3            # master + exp_avg + exp_avg_sq, fp32
     try:

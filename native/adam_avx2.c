@@ -65,24 +65,13 @@ INLINE void step8(const off__adam_consts *c, float *param, const void *grad, int
                          _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* One 64-byte line ahead on each stream per 16 elements (the 16-bit gradient every 32). */
-INLINE void prefetch(const float *a, const void *g, size_t gsz, const float *b, const float *c,
-                     long long i)
-{
-    _mm_prefetch((const char *)(a + i + OFF__PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(b + i + OFF__PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(c + i + OFF__PREFETCH), _MM_HINT_T0);
-    if (gsz == 4 || (i & 31) == 0)
-        _mm_prefetch((const char *)g + (size_t)(i + OFF__PREFETCH) * gsz, _MM_HINT_T0);
-}
-
 INLINE void run(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                 float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
 {
     long long i = 0;
     size_t gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(param, grad, gsz, exp_avg, exp_avg_sq, i);
+        off__prefetch_streams(param, grad, gsz, exp_avg, exp_avg_sq, i);
         step8(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i);
         step8(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i + 8);
     }
@@ -142,7 +131,7 @@ INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_dtype, 
     long long i = 0;
     size_t dsz = d_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(a, d, dsz, b, c, i);
+        off__prefetch_streams(a, d, dsz, b, c, i);
         probe8(a, b, c, d, d_dtype, e, e_dtype, i);
         probe8(a, b, c, d, d_dtype, e, e_dtype, i + 8);
     }

@@ -76,24 +76,13 @@ INLINE void step16(const off__adam_consts *c, float *param, const void *grad, in
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), narrow(p, out_dtype));
 }
 
-/* One 64-byte line ahead on each stream per 16 elements (the 16-bit gradient every 32). */
-INLINE void prefetch(const float *a, const void *g, size_t gsz, const float *b, const float *c,
-                     long long i)
-{
-    _mm_prefetch((const char *)(a + i + OFF__PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(b + i + OFF__PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(c + i + OFF__PREFETCH), _MM_HINT_T0);
-    if (gsz == 4 || (i & 31) == 0)
-        _mm_prefetch((const char *)g + (size_t)(i + OFF__PREFETCH) * gsz, _MM_HINT_T0);
-}
-
 INLINE void run(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
                 float *exp_avg, float *exp_avg_sq, void *out, int out_dtype, long long n)
 {
     long long i = 0;
     size_t gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(param, grad, gsz, exp_avg, exp_avg_sq, i);
+        off__prefetch_streams(param, grad, gsz, exp_avg, exp_avg_sq, i);
         step16(c, param, grad, grad_dtype, exp_avg, exp_avg_sq, out, out_dtype, i);
     }
     long long k = n - i;
@@ -155,7 +144,7 @@ INLINE void probe_run(float *a, float *b, float *c, const void *d, int d_dtype, 
     long long i = 0;
     size_t dsz = d_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     for (; i + 16 <= n; i += 16) {
-        prefetch(a, d, dsz, b, c, i);
+        off__prefetch_streams(a, d, dsz, b, c, i);
         probe16(a, b, c, d, d_dtype, e, e_dtype, i);
     }
     off__probe_scalar(a + i, b + i, c + i, (const char *)d + (size_t)i * dsz, d_dtype,

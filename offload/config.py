@@ -206,8 +206,10 @@ class OffloadConfig:
 
     @classmethod
     def from_deepspeed(cls, ds: Union[dict, str, Path], **overrides: Any) -> "OffloadConfig":
-        """Map a DeepSpeed ZeRO config (dict or JSON path); see ``offload.deepspeed_config``."""
-        from .deepspeed_config import from_deepspeed
+        """Map a DeepSpeed ZeRO config (dict or JSON path); see ``offload.compat.deepspeed``."""
+        # Imported here, not at the top: the mapping builds OffloadConfigs and imports this
+        # module; this is the one way back, taken only when called.
+        from .compat.deepspeed import from_deepspeed
 
         return from_deepspeed(ds, **overrides)
 

@@ -9,7 +9,6 @@ dies. "Pinned" means page-locked: ``cudaHostRegister`` when CUDA is available, e
 from __future__ import annotations
 
 import dataclasses
-import resource
 import threading
 from collections import deque
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ import torch
 
 from .. import native
 from ..errors import ConfigError, PinnedMemoryError, StateError, TierFullError
-from .pinning import default_pinner
+from .pinning import default_pinner, memlock_usage
 
 HUGE_PAGE = 2 << 20
 PAGE = 4096
@@ -42,20 +41,6 @@ class HostBudget:
     memlock_limit: int | None
     memlock_used: int
     memlock_applies: bool
-
-
-def _memlock() -> tuple[int | None, int]:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    limit = None if soft == resource.RLIM_INFINITY else int(soft)
-    used = 0
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmLck:"):
-                    used = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return limit, used
 
 
 def _has_cap_ipc_lock() -> bool:
@@ -85,7 +70,7 @@ def check_host_budget(nbytes: int, pin: bool) -> HostBudget:
     nbytes = int(nbytes)
     vm = psutil.virtual_memory()
     reserve = min(int(vm.total * RAM_RESERVE_FRACTION), RAM_RESERVE_MAX)
-    limit, used = _memlock()
+    limit, used = memlock_usage()
     applies = bool(pin) and not _cuda_pinning() and not _has_cap_ipc_lock() and limit is not None
     budget = HostBudget(nbytes, int(vm.available), reserve, limit, used, applies)
     limit_text = "unlimited" if limit is None else f"{limit} bytes"

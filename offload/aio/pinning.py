@@ -1,6 +1,7 @@
 """Page-locking host memory: ``cudaHostRegister`` when CUDA is there (DMA to and from the GPU),
 ``mlock`` otherwise (kept out of swap). One small protocol, ``pin(address, nbytes)`` /
-``unpin(address, nbytes)``, so a tier pins its memory once and tests can count the calls.
+``unpin(address, nbytes)``, so a tier pins its memory once and tests can count the calls;
+``memlock_usage()`` says how much more ``mlock`` may lock (``ulimit -l`` and what is locked).
 
 CUDA registration is done with ``cudaHostRegisterPortable``: the range is pinned for every CUDA
 context, not only the device that happens to be current on the registering thread (the engine
@@ -14,6 +15,7 @@ and would leak locked memory silently: it is reported as a ``ResourceWarning``.
 from __future__ import annotations
 
 import ctypes
+import resource
 import warnings
 from typing import Protocol
 
@@ -33,6 +35,22 @@ class HostPinner(Protocol):
     def pin(self, address: int, nbytes: int) -> None: ...
 
     def unpin(self, address: int, nbytes: int) -> None: ...
+
+
+def memlock_usage() -> tuple[int | None, int]:
+    """(``ulimit -l``, i.e. the soft RLIMIT_MEMLOCK in bytes or None when unlimited, bytes this
+    process has locked already): what ``mlock`` may still take."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = None if soft == resource.RLIM_INFINITY else int(soft)
+    used = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmLck:"):
+                    used = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return limit, used
 
 
 def _loaded_cudart() -> ctypes.CDLL | None:
@@ -96,9 +114,7 @@ class MlockPinner:
     def pin(self, address: int, nbytes: int) -> None:
         rc = native.buffer_lock(address, nbytes)
         if rc < 0:
-            from .buffers import _memlock
-
-            limit, used = _memlock()
+            limit, used = memlock_usage()
             raise PinnedMemoryError(f"mlock of {nbytes} bytes refused (errno {-rc}): ulimit -l is "
                                     f"{'unlimited' if limit is None else limit} bytes, {used} locked already")
 

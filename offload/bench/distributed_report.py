@@ -1,6 +1,6 @@
 """The report of ``offload bench step --nproc N`` (see ``offload.bench.distributed``): one
 system's figures summed over its ranks, the engine's own count checked against the counter,
-and the human lines."""
+the ratios between the systems, and the human lines."""
 
 from __future__ import annotations
 
@@ -81,6 +81,24 @@ def summarize(results: list[dict], name: str) -> dict | None:
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def compare(ours: dict | None, theirs: dict | None, one: dict | None, zero3: int) -> dict:
+    """The report's ratios between ``summarize``'s figures of ours at N ranks, FSDP2 at N and ours
+    alone (``one``), and the ZeRO-3 volume ``zero3`` (bytes per rank per step); None where a side
+    did not run or failed."""
+    ok = ours and not ours.get("error")
+    # a system's volume: the most any rank sends or receives in a step
+    ours_sent = ours["volume_bytes"] if ok else None
+    fsdp_sent = theirs["volume_bytes"] if theirs and not theirs.get("error") else None
+    return {
+        "ours_over_zero3": _ratio(ours_sent, zero3),
+        "fsdp2_over_zero3": _ratio(fsdp_sent, zero3),
+        "ours_over_fsdp2_bytes": _ratio(ours_sent, fsdp_sent),
+        "ours_exceeds_fsdp2": None if ours_sent is None or fsdp_sent is None else ours_sent > fsdp_sent,
+        "step_n_over_1": _ratio(ours["step_s"] if ok else None, one and one.get("step_s")),
+        "ours_over_fsdp2_time": _ratio(ours["step_s"] if ok else None, theirs and theirs["step_s"]),
+    }
 
 
 def _mb(n) -> str:

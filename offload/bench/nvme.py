@@ -19,6 +19,7 @@ import time
 
 from ..config import AioConfig, parse_bytes
 from ..errors import ConfigError, UnsupportedError
+from ..units import format_bytes
 from . import fio
 from .common import scratch_dir, write_json
 
@@ -166,13 +167,6 @@ def measure(path: str | os.PathLike, size: int | str = 2 << 30, block_size: int 
 
 # ---- the command ------------------------------------------------------------------------------
 
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
-
-
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -218,7 +212,7 @@ def _plot(results: list[dict], filename: str) -> None:
                 pts = sorted((r["queue_depth"], r[f"{m}_gbps"]) for r in results
                              if r["block_size"] == bs and r["threads"] == t)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        linestyle="-" if t == 1 else "--", label=f"{_fmt_bytes(bs)}, {t} thread(s)")
+                        linestyle="-" if t == 1 else "--", label=f"{format_bytes(bs)}, {t} thread(s)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("queue depth")
         ax.set_ylabel("GB/s")
@@ -245,7 +239,7 @@ def _run_one(args, path: str, size: int, block_size: int) -> int:
     result = measure(path, size, block_size, args.queue_depth, args.threads, args.repeats,
                      mode=args.mode, backend=args.backend, with_fio=not args.no_fio, progress=True,
                      _runs=runs)
-    print(f"offload bench nvme: {path}, {_fmt_bytes(size)}, block {_fmt_bytes(block_size)}, "
+    print(f"offload bench nvme: {path}, {format_bytes(size)}, block {format_bytes(block_size)}, "
           f"queue depth {args.queue_depth}, threads {args.threads}")
     print(f"backend: {result['backend']} ({runs['backend_reason']})")
     f = result["fio"]
@@ -281,15 +275,15 @@ def _run_sweep(args, path: str, size: int) -> int:
             if size % (bs * t) == 0]
     if not grid:
         raise ConfigError("--size", args.size, "too small for the sweep grid (needs a multiple of 8 MiB)")
-    print(f"offload bench nvme --sweep: {path}, {_fmt_bytes(size)}, {len(grid)} configurations, "
+    print(f"offload bench nvme --sweep: {path}, {format_bytes(size)}, {len(grid)} configurations, "
           f"median of {args.repeats}")
-    header = f"{'block':>8}{'QD':>5}{'threads':>8}{'write GB/s':>12}{'read GB/s':>11}"
+    header = f"{'block':>10}{'QD':>5}{'threads':>8}{'write GB/s':>12}{'read GB/s':>11}"
     print(header)
     for bs, qd, t in grid:
         r = measure(path, size, bs, qd, t, args.repeats, mode=args.mode, backend=args.backend,
                     with_fio=False, progress=True)
         results.append(r)
-        print(f"{_fmt_bytes(bs):>8}{qd:>5}{t:>8}{_num(r['write_gbps']):>12}{_num(r['read_gbps']):>11}",
+        print(f"{format_bytes(bs):>10}{qd:>5}{t:>8}{_num(r['write_gbps']):>12}{_num(r['read_gbps']):>11}",
               flush=True)
     best = max(results, key=_score)
     print(f"best ({'harmonic mean of read and write' if args.mode == 'both' else args.mode}): "

@@ -43,6 +43,11 @@ the ratio approaches 1 as compute grows to hide the host side.
 
 The swap files and the NVMe probe file live in a private subdirectory of ``--path`` that is removed
 on exit, also on Ctrl-C or SIGTERM.
+
+This module is the command and the run; the model, batch and sample timing are
+``offload.bench.workload``'s, the bound arithmetic ``offload.bench.step_bound``'s, the in-memory
+comparison ``offload.bench.in_memory``'s, the printed report ``offload.bench.step_report``'s, and
+``--nproc N`` hands over to ``offload.bench.distributed``.
 """
 
 from __future__ import annotations
@@ -53,20 +58,25 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 from ..config import AioConfig, OffloadConfig, parse_bytes
-from ..errors import ConfigError, OffloadError
+from ..errors import ConfigError
 from .common import scratch_dir, write_json
-from .pcie import pcie_bytes
+from .in_memory import compare_in_memory
+from .step_bound import breakdown_of, default_budgets, step_bound
+from .step_report import print_report
+from .workload import (
+    BYTES_PER_PARAM,
+    STEPS_PER_SAMPLE,
+    BenchStepError,
+    build_model,
+    offload_steps,
+    time_compute,
+    token_batch,
+)
 
-BYTES_PER_PARAM = 14          # bf16 param + fp32 master + exp_avg + exp_avg_sq (DESIGN.md)
 MIN_STATE_OVER_CPU = 4        # the issue's "total state >= 4x the CPU budget"
 DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
-
-
-class BenchStepError(OffloadError):
-    """The step benchmark cannot run as asked (disk space, sizes); the message says what to change."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,161 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
 
 
-# ---- arithmetic (pure, tested) ----------------------------------------------------------------
-
-def step_bound(compute_s: float, nvme_read_bytes: int, nvme_write_bytes: int, read_gbps: float | None,
-               write_gbps: float | None, params: int, adam_params_per_s: float, *, h2d_bytes: int = 0,
-               d2h_bytes: int = 0, h2d_gbps: float | None = None, d2h_gbps: float | None = None) -> dict:
-    """The lower bound of a step and its four terms (seconds)."""
-    def io(nbytes, gbps, what):
-        if not nbytes:
-            return 0.0
-        if not gbps:
-            raise BenchStepError(f"{nbytes} bytes moved {what} but its bandwidth was not measured")
-        return nbytes / (gbps * 1e9)
-
-    nvme_s = io(nvme_read_bytes, read_gbps, "from NVMe") + io(nvme_write_bytes, write_gbps, "to NVMe")
-    # Each direction has its own copy engine: the slower direction bounds, not the sum.
-    pcie_s = max(io(h2d_bytes, h2d_gbps, "host to device"), io(d2h_bytes, d2h_gbps, "device to host"))
-    adam_s = params / adam_params_per_s
-    terms = {"compute_s": compute_s, "pcie_s": pcie_s, "nvme_s": nvme_s, "adam_s": adam_s}
-    bottleneck = max(terms, key=terms.get)
-    return {**terms, "bound_s": terms[bottleneck], "bottleneck": bottleneck.removesuffix("_s")}
-
-
-def default_budgets(state_bytes: int, cpu_budget=None, device_budget=None) -> tuple[int, int]:
-    """CPU budget state/5 and device budget half of it, in whole MiB, unless given."""
-    mib = 1 << 20
-    cpu = parse_bytes(cpu_budget, "--cpu-budget") if cpu_budget is not None else \
-        max(4 * mib, state_bytes // 5 // mib * mib)
-    dev = parse_bytes(device_budget, "--device-budget") if device_budget is not None else \
-        max(2 * mib, cpu // 2 // mib * mib)
-    return cpu, dev
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _breakdown(stats: list[dict]) -> dict:
-    dirs = sorted({d for s in stats for d in s.get("moved_bytes", {})})
-    moved = {d: int(_median([s.get("moved_bytes", {}).get(d, 0) for s in stats])) for d in dirs}
-    h2d, d2h = pcie_bytes(moved)
-    return {
-        "wait_s": _median([s.get("wait_s") for s in stats]),
-        "optimizer_s": _median([s.get("optimizer_s") for s in stats]),
-        "optimizer_wait_s": _median([s.get("optimizer_wait_s") for s in stats]),
-        "prefetch_hit_rate": _median([s.get("prefetch_hit_rate") for s in stats]),
-        "retraces": max((s.get("retraces") or 0) for s in stats) if stats else 0,
-        "moved_bytes": moved,
-        "bytes_per_step": sum(moved.values()),
-        "nvme_read_bytes": sum(n for d, n in moved.items() if d.startswith("nvme->")),
-        "nvme_write_bytes": sum(n for d, n in moved.items() if d.endswith("->nvme")),
-        "h2d_bytes": h2d,
-        "d2h_bytes": d2h,
-    }
-
-
-# ---- the pieces ---------------------------------------------------------------------------------
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _build(preset: str, device: str, seed: int = 0):
-    import torch
-
-    from ..models.llama import LlamaConfig, LlamaForCausalLM, get_preset
-
-    cfg = preset if isinstance(preset, LlamaConfig) else get_preset(preset)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    return model.to(device) if device == "cuda" else model, cfg
-
-
-def _batch(cfg, batch_tokens: int, device: str):
-    import torch
-
-    seq = min(batch_tokens, cfg.max_seq_len)
-    rows = max(1, batch_tokens // seq)
-    gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, cfg.vocab_size, (rows, seq), generator=gen).to(device)
-
-
-def _time_compute(model, ids, device: str, repeats: int) -> list[float]:
-    """Plain PyTorch forward + backward of the bf16 model, no optimizer."""
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        model(ids, labels=ids).loss.backward()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return times
-
-
-class _TorchMixedAdam:
-    """What a PyTorch user writes for offload's update: fp32 masters, AdamW, copy back to bf16."""
-
-    def __init__(self, model, lr: float):
-        import torch
-
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        try:
-            self.opt = torch.optim.AdamW(self.masters, lr=lr, fused=True)
-            self.kind = "fused"
-            for m in self.masters:
-                m.grad = torch.zeros_like(m)
-            self.opt.step()   # builds without the fused CPU kernel fail here
-        except (RuntimeError, NotImplementedError):
-            self.opt = torch.optim.AdamW(self.masters, lr=lr, foreach=True)
-            self.kind = "foreach"
-        self.opt.state.clear()
-
-    def step(self) -> None:
-        import torch
-
-        for p, m in zip(self.params, self.masters):
-            if p.grad is None:
-                m.grad = None
-            else:
-                if m.grad is None:
-                    m.grad = torch.empty_like(m)
-                m.grad.copy_(p.grad)
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
-
-    def zero_grad(self, model) -> None:
-        model.zero_grad(set_to_none=True)
-
-
-STEPS_PER_SAMPLE = 2
-
-
-def _offload_steps(model, opt, ids, device: str, n: int = STEPS_PER_SAMPLE) -> float:
-    """Seconds per step of ``n`` offloaded steps back to back, on the clock until the updates still
-    queued after the last one and the writes they started have finished (see the module doc)."""
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.offload_engine.adam.drain()
-    model.offload_engine.store.wait_idle()
-    _sync(device)
-    return (time.perf_counter() - t0) / n
-
-
 def _replay_one_sample(model, opt, ids, device: str, repeats: int, quiet: bool) -> tuple[float | None, int]:
     """Record the NVMe requests of one more (untimed) sample, replay them ``repeats`` times with
     nothing else running (``offload.bench.replay``): (median seconds per step, bytes per step).
@@ -264,7 +119,7 @@ def _replay_one_sample(model, opt, ids, device: str, repeats: int, quiet: bool) 
         return None, 0
     tier.recording = []
     try:
-        _offload_steps(model, opt, ids, device)
+        offload_steps(model, opt, ids, device)
         records = tier.recording
     finally:
         tier.recording = None
@@ -273,16 +128,6 @@ def _replay_one_sample(model, opt, ids, device: str, repeats: int, quiet: bool) 
     _say(f"NVMe replay: this sample's {len(records)} requests x {repeats}, nothing else running", quiet)
     seconds = statistics.median(replay(tier, records) for _ in range(repeats))
     return seconds / STEPS_PER_SAMPLE, sum(r.slot.nbytes for r in records) // STEPS_PER_SAMPLE
-
-
-def _torch_step(model, opt: _TorchMixedAdam, ids, device: str) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    model(ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(model)
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -324,7 +169,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
     if not os.path.isdir(path):
         raise ConfigError("path", path, "is not a directory")
 
-    ref_model, cfg = _build(preset, device)
+    ref_model, cfg = build_model(preset, device)
     params = sum(p.numel() for p in ref_model.parameters())
     state_bytes = BYTES_PER_PARAM * params
     cpu_b, dev_b = default_budgets(state_bytes, cpu_budget, device_budget)
@@ -345,12 +190,12 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
                              f"{need / 1e9:.2f} GB (model state {state_bytes / 1e9:.2f} GB x {DISK_MARGIN} "
                              f"plus the {nvme_size / 1e9:.2f} GB NVMe probe): free space or pick a smaller --preset")
 
-    ids = _batch(cfg, batch_tokens, device)
+    ids = token_batch(cfg, batch_tokens, device)
     work = tempfile.mkdtemp(prefix=".offload-bench-step-", dir=path)
     try:
         _say(f"{preset}: {params / 1e6:.1f}M params, state {state_bytes / 1e6:.0f} MB, "
              f"CPU budget {cpu_b / 1e6:.0f} MB, device budget {dev_b / 1e6:.0f} MB, {device}", quiet)
-        model, _ = _build(preset, device)
+        model, _ = build_model(preset, device)
         model = model.cpu() if device == "cuda" else model
         config = OffloadConfig(device=device, dtype="bf16", device_budget=dev_b, cpu_budget=cpu_b,
                                nvme_paths=[work], aio=aio)
@@ -360,8 +205,8 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
             _say(f"offloaded: {warmup} warm-up + {steps} timed samples, alternating with plain "
                  f"PyTorch forward+backward and an NVMe probe ({nvme_size >> 20} MiB written, then read)", quiet)
             for _ in range(warmup):
-                _offload_steps(model, opt, ids, device, 1)
-            _time_compute(ref_model, ids, device, 1)
+                offload_steps(model, opt, ids, device, 1)
+            time_compute(ref_model, ids, device, 1)
             # Alternate an offloaded sample with the plain forward+backward (and who goes first):
             # the bus, the disk and the neighbours drift, and both sides should see the same.
             # A sample ends with the engine idle, so nothing of it slows the plain run beside it.
@@ -370,7 +215,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
             step_times, compute_times, stats, probes = [], [], [], []
 
             def beside():
-                compute_times.extend(_time_compute(ref_model, ids, device, 1))
+                compute_times.extend(time_compute(ref_model, ids, device, 1))
                 probes.append(nvme_bench.measure(work, size=nvme_size, block_size=aio.block_size,
                                                  queue_depth=aio.queue_depth, threads=aio.threads,
                                                  repeats=1, with_fio=False))
@@ -378,7 +223,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
             for i in range(steps):
                 if i % 2:
                     beside()
-                step_times.append(_offload_steps(model, opt, ids, device))
+                step_times.append(offload_steps(model, opt, ids, device))
                 stats.append(model.offload_stats())
                 if i % 2 == 0:
                     beside()
@@ -408,7 +253,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    breakdown = _breakdown(stats)
+    breakdown = breakdown_of(stats)
     compute_s = statistics.median(compute_times)
     bound = step_bound(compute_s, breakdown["nvme_read_bytes"], breakdown["nvme_write_bytes"],
                        nvme["read_gbps"], nvme["write_gbps"], params, roof,
@@ -439,64 +284,18 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
     ref_model = None        # free the reference before the in-memory models are built
     if in_memory:
         _say(f"in memory: offload vs torch AdamW, {warmup} + {steps} alternating steps", quiet)
-        summary, detail = _in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
+        summary, detail = compare_in_memory(preset, device, ids, state_bytes, steps, warmup, lr)
         report["in_memory"] = summary
         breakdown["in_memory"] = detail
     if batch_curve:
         curve = []
         for tokens in batch_curve:
             _say(f"in memory at {tokens} tokens/step", quiet)
-            summary, _ = _in_memory(preset, device, _batch(cfg, tokens, device), state_bytes, steps, warmup, lr)
+            summary, _ = compare_in_memory(preset, device, token_batch(cfg, tokens, device), state_bytes,
+                                           steps, warmup, lr)
             curve.append({"batch_tokens": tokens, **summary})
         report["batch_curve"] = curve
     return report
-
-
-def _in_memory(preset: str, device: str, ids, state_bytes: int, steps: int, warmup: int,
-               lr: float) -> tuple[dict, dict]:
-    import offload
-
-    big = 2 * state_bytes + (256 << 20)
-    ours, _ = _build(preset, device)
-    ours = ours.cpu() if device == "cuda" else ours
-    ours = offload.wrap(ours, OffloadConfig(device=device, dtype="bf16", device_budget=big,
-                                            cpu_budget=big, nvme_paths=None))
-    try:
-        ours_opt = offload.AdamW(ours.parameters(), lr=lr)
-        theirs, _ = _build(preset, device)
-        theirs_opt = _TorchMixedAdam(theirs, lr)
-        for _ in range(warmup):
-            _offload_steps(ours, ours_opt, ids, device, 1)
-            _torch_step(theirs, theirs_opt, ids, device)
-        t_ours, t_torch = [], []
-
-        def torch_sample():
-            return sum(_torch_step(theirs, theirs_opt, ids, device) for _ in range(STEPS_PER_SAMPLE)) / STEPS_PER_SAMPLE
-
-        for i in range(steps):   # alternate, and alternate who goes first (drift hits both)
-            if i % 2 == 0:
-                t_ours.append(_offload_steps(ours, ours_opt, ids, device))
-                t_torch.append(torch_sample())
-            else:
-                t_torch.append(torch_sample())
-                t_ours.append(_offload_steps(ours, ours_opt, ids, device))
-        moved = ours.offload_stats().get("moved_bytes", {})
-    finally:
-        ours.offload_engine.close()
-    offload_s, torch_s = statistics.median(t_ours), statistics.median(t_torch)
-    summary = {"offload_step_s": offload_s, "torch_step_s": torch_s, "ratio": torch_s / offload_s}
-    detail = {"torch_optimizer": f"torch.optim.AdamW({theirs_opt.kind}) on fp32 masters, copied back to bf16",
-              "offload_moved_bytes": moved, "offload_times_s": [round(t, 4) for t in t_ours],
-              "torch_times_s": [round(t, 4) for t in t_torch]}
-    return summary, detail
-
-
-# ---- the command ------------------------------------------------------------------------------
-
-def _fmt(x, unit="s") -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:.1f} ms" if unit == "s" and x < 1 else f"{x:.3f} {unit}".rstrip()
 
 
 def parse_batch_curve(text: str | None) -> list[int] | None:
@@ -524,7 +323,7 @@ def run(args) -> int:
                          device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
                          in_memory=not args.no_in_memory, quiet=False,
                          batch_curve=parse_batch_curve(args.batch_curve))
-    _print(report)
+    print_report(report)
     write_json(args.json, report)
     return 0
 
@@ -544,39 +343,3 @@ def _run_distributed(args) -> int:
     distributed.print_report(report)
     write_json(args.json, report)
     return 0
-
-
-def _print(r: dict) -> None:
-    b = r["breakdown"]
-    run = b["run"]
-    print(f"offload bench step: {run['preset']} ({r['params'] / 1e6:.1f}M params, state {r['state_bytes'] / 1e6:.0f} MB) "
-          f"on {r['device']}, CPU budget {r['cpu_budget'] / 1e6:.0f} MB "
-          f"({r['state_bytes'] / r['cpu_budget']:.1f}x smaller), {run['batch_tokens']} tokens/step")
-    print(f"step        {_fmt(r['step_s'])}  (median of {run['steps']} samples of {STEPS_PER_SAMPLE} steps)")
-    pcie = f"PCIe {_fmt(b['pcie_s'])}, " if b.get("pcie_h2d_gbps") else ""
-    print(f"bound       {_fmt(r['bound_s'])}  = max(compute {_fmt(b['compute_s'])}, {pcie}NVMe {_fmt(b['nvme_s'])}, "
-          f"Adam {_fmt(b['adam_s'])}); bottleneck: {b['bottleneck']}")
-    print(f"step/bound  {r['bound_ratio']:.2f}  (target <= 1.2)")
-    hits = "-" if b["prefetch_hit_rate"] is None else f"{100 * b['prefetch_hit_rate']:.0f}%"
-    print(f"breakdown   waiting for chunks {_fmt(b['wait_s'])}, Adam {_fmt(b['optimizer_s'])}, "
-          f"waiting for Adam {_fmt(b['optimizer_wait_s'])}, prefetch hits {hits}")
-    moved = ", ".join(f"{d} {n / 1e6:.0f} MB" for d, n in b["moved_bytes"].items())
-    print(f"moved/step  {b['bytes_per_step'] / 1e6:.0f} MB ({moved})")
-    if b.get("nvme_replay_s"):
-        print(f"replay      {_fmt(b['nvme_replay_s'])}  the step's NVMe requests replayed alone "
-              f"({b['nvme_replay_gbps']:.2f} GB/s): step/replay {r['step_s'] / b['nvme_replay_s']:.2f}, "
-              f"replay/bound {b['nvme_replay_s'] / r['bound_s']:.2f}")
-    print(f"measured    NVMe read {b['nvme_read_gbps']} GB/s, write {b['nvme_write_gbps']} GB/s "
-          f"({b['nvme_backend']}); Adam roofline {b['adam_roofline_params_per_s'] / 1e9:.2f} G params/s")
-    if b.get("pcie_h2d_gbps"):
-        print(f"PCIe        H2D {b['pcie_h2d_gbps']} GB/s, D2H {b['pcie_d2h_gbps']} GB/s; this step moved "
-              f"{b['h2d_bytes'] / 1e6:.0f} MB up, {b['d2h_bytes'] / 1e6:.0f} MB down")
-    m = r["in_memory"]
-    if m:
-        print(f"in memory   offload {_fmt(m['offload_step_s'])}, torch {_fmt(m['torch_step_s'])}: "
-              f"{m['ratio']:.2f}x torch's throughput (target >= 0.9; {b['in_memory']['torch_optimizer']})")
-    for point in r.get("batch_curve") or ():
-        print(f"curve       {point['batch_tokens']:>6} tokens/step: offload {_fmt(point['offload_step_s'])}, "
-              f"torch {_fmt(point['torch_step_s'])}: {point['ratio']:.2f}x")
-    for note in run["notes"]:
-        print(f"note: {note}")

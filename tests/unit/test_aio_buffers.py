@@ -61,7 +61,7 @@ def test_check_host_budget_names_both_numbers():
 
 
 def test_memlock_limit_refuses_before_locking(monkeypatch):
-    monkeypatch.setattr(buffers, "_memlock", lambda: (64 << 10, 0))
+    monkeypatch.setattr(buffers, "memlock_usage", lambda: (64 << 10, 0))
     monkeypatch.setattr(buffers, "_has_cap_ipc_lock", lambda: False)
     monkeypatch.setattr(buffers, "_cuda_pinning", lambda: False)
     with pytest.raises(PinnedMemoryError) as exc:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from offload.bench import distributed as bench_dp
+from offload.bench.distributed_rank import split_rows
 from offload.bench.collectives import CollectiveCounter, ring_bytes, zero3_bytes
 from offload.errors import ConfigError
 from offload.models import llama
@@ -228,7 +229,7 @@ def test_chunk_size_argument():
 
 def test_argument_checks():
     assert bench_dp.check_args(2, 512, 256, "cpu") == (2, 256)
-    assert bench_dp.split_rows(4, 2, 1) == slice(2, 4)
+    assert split_rows(4, 2, 1) == slice(2, 4)
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ConfigError, match="--nproc"):
             bench_dp.check_nproc(bad)

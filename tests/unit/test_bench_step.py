@@ -47,7 +47,7 @@ def test_pcie_bytes_split_by_direction():
 
 
 def test_breakdown_carries_pcie_bytes():
-    b = bench_step._breakdown([{"moved_bytes": {"cpu->device": 10, "device->cpu": 4, "nvme->cpu": 2}}])
+    b = bench_step.breakdown_of([{"moved_bytes": {"cpu->device": 10, "device->cpu": 4, "nvme->cpu": 2}}])
     assert (b["h2d_bytes"], b["d2h_bytes"], b["nvme_read_bytes"]) == (10, 4, 2)
 
 
@@ -78,7 +78,7 @@ def test_breakdown_medians_and_directions():
               "optimizer_s": 0.5, "optimizer_wait_s": 0.1, "prefetch_hit_rate": 1.0},
              {"moved_bytes": {"nvme->cpu": 30, "cpu->nvme": 40}, "wait_s": 3.0, "optimizer_s": 0.5,
               "optimizer_wait_s": 0.3, "prefetch_hit_rate": None}]
-    b = bench_step._breakdown(stats)
+    b = bench_step.breakdown_of(stats)
     assert b["wait_s"] == 2.0 and b["prefetch_hit_rate"] == 1.0
     assert b["moved_bytes"] == {"cpu->device": 2, "cpu->nvme": 30, "nvme->cpu": 20}
     assert b["nvme_read_bytes"] == 20 and b["nvme_write_bytes"] == 30 and b["bytes_per_step"] == 52

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import AioConfig, ConfigError, OffloadConfig
-from offload.deepspeed_config import deepspeed_optimizer_kwargs, from_deepspeed
+from offload.compat import deepspeed_optimizer_kwargs, from_deepspeed
 
 # The ZeRO-Infinity example circulated in the Hugging Face DeepSpeed docs (NVMe for both kinds),
 # with "aio" at the top level where DeepSpeed reads it.
