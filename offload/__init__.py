@@ -36,9 +36,9 @@ def __getattr__(name):
 
         return getattr(preempt, name)
     if name in ("export_safetensors", "load_safetensors"):
-        from . import weights
+        from .hf import safetensors_export
 
-        return getattr(weights, name)
+        return getattr(safetensors_export, name)
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __version__ = "0.1.0"

@@ -170,7 +170,7 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     Under data parallelism every rank calls it; rank 0 writes the directory (see
     ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
-    from ..weights import _dtype, export_safetensors
+    from .safetensors_export import _dtype, export_safetensors
 
     hf_config = hf_config if hf_config is not None else getattr(model, "config", None)
     if hf_config is None or not hasattr(hf_config, "to_json_file"):

@@ -329,8 +329,8 @@ def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
     """Chunk ``c``'s fp32 values from its tensors, then its param (+ master) chunk written once.
 
     A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``) is read
-    first; padding stays zero (``offload.weights.chunk_values``)."""
-    from ..weights import chunk_values, write_chunk_values
+    first; padding stays zero (``offload.hf.safetensors_export.chunk_values``)."""
+    from .safetensors_export import chunk_values, write_chunk_values
 
     master = chunk_values(engine, c, {id(p) for p, _ in members}, staging)
     for p, source in members:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.ranks import PeerFailed, Ranks, peer_error, report
+from ..checkpoint.ranks import PeerFailed, Ranks, peer_error, report
 
 
 class ChunkSource:
@@ -100,7 +100,7 @@ class ChunkSource:
 
 def _device(group):
     """The device a collective of ``group`` needs its tensors on (None: the CPU, as for gloo)."""
-    from .distributed.comms import collective_device
+    from ..distributed.comms import collective_device
 
     device = collective_device(group)
     return None if device.type == "cpu" else device

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import persistent_buffers, write_file_atomic
-from .errors import ConfigError, OffloadError
-from .export_chunks import ChunkSource
+from ..checkpoint import persistent_buffers, write_file_atomic
+from ..errors import ConfigError, OffloadError
+from .chunk_source import ChunkSource
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = 2 << 30
@@ -121,7 +121,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
     tensor per expert; None: as it is.
     Under data parallelism every rank calls it with the same arguments; rank 0 writes the files
-    (chunks come to it from their owners one at a time: ``offload.export_chunks``), the others
+    (chunks come to it from their owners one at a time: ``offload.hf.chunk_source``), the others
     return once they are written; an error on any rank raises on all.
     """
     engine = getattr(model, "offload_engine", None)
