@@ -1,4 +1,4 @@
-"""Weights in and out in Hugging Face's safetensors format, streamed chunk by chunk.
+"""Weights out in Hugging Face's safetensors format, streamed chunk by chunk.
 
 ``export_safetensors(model, directory)`` writes ``model-0000i-of-0000N.safetensors`` shards and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: file}}``),
@@ -9,12 +9,8 @@ time: exporting a 100B model needs about one chunk of extra RAM, not one shard. 
 plain safetensors (8-byte little-endian header length, JSON header padded with spaces to a
 multiple of 8, then the data), checked in the tests by reading them with the ``safetensors``
 package. Tied parameters are written once, under the first name ``named_parameters()`` gives.
-
-``load_safetensors(model, path)`` reads such shards (or any safetensors file or directory of
-them) with ``safetensors.safe_open`` one tensor at a time and writes them into the chunks
-(compute-precision ``param`` and fp32 ``master``), each chunk written once after all of its
-tensors are in. It also works on a model that is not wrapped (then it copies into the
-parameters). Errors name the file and the tensor.
+A wrapped model's values come through its chunk interface (``engine.chunks``; under data
+parallelism from each chunk's owner: ``chunk_source``). ``safetensors_load`` reads such files back.
 """
 
 from __future__ import annotations
@@ -29,10 +25,11 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import persistent_buffers, write_file_atomic
+from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .chunk_source import ChunkSource
+from .tensor_files import INDEX
 
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = 2 << 30
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -42,16 +39,8 @@ _DTYPE_ALIASES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch
                   "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def _safetensors():
-    try:
-        from safetensors import safe_open
-    except ImportError as exc:
-        raise OffloadError("loading safetensors needs the 'safetensors' package: "
-                           "pip install 'offload[hf]' (or pip install safetensors)") from exc
-    return safe_open
-
-
-def _dtype(dtype) -> torch.dtype | None:
+def parse_dtype(dtype) -> torch.dtype | None:
+    """A file dtype given as a torch dtype or a name ("bf16", "float32", ...); None stays None."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
@@ -121,21 +110,22 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
     tensor per expert; None: as it is.
     Under data parallelism every rank calls it with the same arguments; rank 0 writes the files
-    (chunks come to it from their owners one at a time: ``offload.hf.chunk_source``), the others
+    (chunks come to it from their owners one at a time: ``chunk_source``), the others
     return once they are written; an error on any rank raises on all.
     """
-    engine = getattr(model, "offload_engine", None)
+    engine = engine_of(model)
+    chunks = engine.chunks if engine is not None else None
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError("max_shard_bytes", max_shard_bytes, "must be a positive number of bytes")
-    out_dtype = _dtype(dtype)
+    out_dtype = parse_dtype(dtype)
     root = Path(directory)
     entries: list[_Entry] = []
-    if engine is not None:
-        engine.adam.drain()
-        compute = engine.params.dtype
+    if chunks is not None:
+        chunks.drain()
+        compute = chunks.kinds["param"]
         out_dtype = out_dtype or compute
-        source = "param" if out_dtype == compute or not engine.params.has_master else "master"
-        for s in engine.layout.slots:
+        source = "param" if out_dtype == compute or "master" not in chunks.kinds else "master"
+        for s in chunks.layout.slots:
             entries.append(_Entry(s.name, s.shape, out_dtype, slot=s))
     else:
         source = None
@@ -167,19 +157,19 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     shards = _plan(entries, max_shard_bytes)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    chunks = None if engine is None else ChunkSource(engine, source)
-    if chunks is not None and not chunks.ranks.lead:
-        chunks.follow(_chunk_order(shards))      # rank 0 writes; this rank serves the chunks it keeps
+    values = None if chunks is None else ChunkSource(chunks, source)
+    if values is not None and not values.ranks.lead:
+        values.follow(_chunk_order(shards))      # rank 0 writes; this rank serves the chunks it keeps
         return [root / f for f in names]
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _write_shards(shards, names, root, {"format": "pt", **(metadata or {})}, chunks, transform)
+        _write_shards(shards, names, root, {"format": "pt", **(metadata or {})}, values, transform)
     except Exception as exc:
-        if chunks is None:
+        if values is None:
             raise
-        chunks.fail(exc)
-    if chunks is not None:
-        chunks.finish()
+        values.fail(exc)
+    if values is not None:
+        values.finish()
     return [root / f for f in names]
 
 
@@ -231,203 +221,3 @@ def _write_shards(shards, names, root: Path, meta: dict, chunks, transform) -> N
     for old in root.iterdir():              # shards of an earlier export with another shard count
         if _SHARD.match(old.name) and old.name not in names:
             old.unlink()
-
-
-# ---- load ------------------------------------------------------------------------------------
-def _files(path: Path, safe_open) -> dict[str, Path]:
-    """``{tensor name: file}`` for a file, an indexed directory, or a directory of .safetensors files."""
-    if path.is_file():
-        if path.name.endswith(".json"):
-            return _from_index(path)
-        files = [path]
-    elif (path / INDEX).is_file():
-        return _from_index(path / INDEX)
-    elif (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    else:
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        if not files:
-            raise OffloadError(f"no safetensors weights at {path} (no file, no {INDEX}, no *.safetensors)")
-    out = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    out[name] = file
-        except Exception as exc:
-            raise OffloadError(f"{file}: not a readable safetensors file: {exc}") from exc
-    return out
-
-
-def _from_index(index: Path) -> dict[str, Path]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise OffloadError(f"{index}: not a safetensors index (weight_map): {exc}") from exc
-    return {name: index.parent / fname for name, fname in weight_map.items()}
-
-
-def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = True) -> dict:
-    """Load HF safetensors weights into ``model`` (wrapped or not), streaming one tensor at a time.
-
-    Returns ``{"loaded": [...], "missing": [...], "unexpected": [...]}`` (parameter / tensor names).
-    With ``strict`` a parameter without a tensor or a tensor without a parameter is an error; a
-    tied parameter needs only one of its names in the files. A shape mismatch is always an error
-    (``ConfigError`` naming the file and tensor). Values are converted to the model's dtypes; a
-    wrapped model's ``param`` and fp32 ``master`` chunks are both written, once per chunk.
-    """
-    safe_open = _safetensors()
-    source = Path(path_or_dir)
-    where = _files(source, safe_open)
-    engine = getattr(model, "offload_engine", None)
-    if engine is not None:
-        engine.adam.drain()
-    aliases = dict(model.named_parameters(remove_duplicate=False))
-    buffers = persistent_buffers(model)
-    canonical = {}
-    for name, p in model.named_parameters():
-        canonical[id(p)] = name
-    wanted: dict[int, tuple[str, Path]] = {}       # id(param) -> (tensor name, file)
-    buffer_src: dict[str, Path] = {}
-    unexpected = []
-    for name, file in where.items():
-        if name in aliases:
-            wanted.setdefault(id(aliases[name]), (name, file))
-        elif name in buffers:
-            buffer_src[name] = file
-        else:
-            unexpected.append(name)
-    missing = sorted(name for pid, name in canonical.items() if pid not in wanted)
-    missing += sorted(n for n in buffers if n not in buffer_src)
-    if strict and (missing or unexpected):
-        raise OffloadError(f"load_safetensors({source}): missing tensors {missing[:20]}"
-                           f"{' ...' if len(missing) > 20 else ''} ({len(missing)}), unexpected tensors "
-                           f"{sorted(unexpected)[:20]}{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)})")
-    by_id = {id(p): p for p in aliases.values()}
-    loaded = []
-    handles: dict[Path, object] = {}
-
-    def handle(file: Path):
-        if file not in handles:
-            try:
-                h = safe_open(str(file), framework="pt")
-                handles[file] = h.__enter__()
-            except Exception as exc:
-                raise OffloadError(f"{file}: cannot open as safetensors: {exc}") from exc
-        return handles[file]
-
-    def close(file: Path) -> None:
-        # Unmaps the file: its pages stop counting in this process's RSS.
-        h = handles.pop(file, None)
-        if h is not None:
-            h.__exit__(None, None, None)
-
-    def shape_of(file: Path, name: str) -> tuple[int, ...]:
-        try:
-            return tuple(handle(file).get_slice(name).get_shape())
-        except OffloadError:
-            raise
-        except Exception as exc:
-            raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
-
-    def tensor(file: Path, name: str) -> torch.Tensor:
-        try:
-            return handle(file).get_tensor(name)
-        except Exception as exc:
-            raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
-
-    try:
-        # Check every shape before writing anything.
-        for pid, (name, file) in wanted.items():
-            p = by_id[pid]
-            want = tuple(engine.params.ref(p).slot.shape) if engine is not None and engine.params.owns(p) \
-                else tuple(p.shape)
-            got = shape_of(file, name)
-            if got != want:
-                raise ConfigError(f"{file.name}:{name}", got, f"shape differs from the model's {want} ({file})")
-        for name, file in buffer_src.items():
-            module, b = buffers[name]
-            got, want = shape_of(file, name), tuple(getattr(module, b).shape)
-            if got != want:
-                raise ConfigError(f"{file.name}:{name}", got, f"shape differs from the model's buffer {want} ({file})")
-        for file in list(handles):
-            close(file)
-
-        plain, chunked = [], {}
-        for pid, (name, file) in wanted.items():
-            p = by_id[pid]
-            if engine is not None and engine.params.owns(p):
-                chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, name, file))
-            else:
-                plain.append((p, name, file))
-        # Work in chunk order; a file is closed after the last chunk that reads from it.
-        work = [(c, chunked[c]) for c in sorted(chunked)] + [(None, [m]) for m in plain] + \
-            [(None, [(None, name, file)]) for name, file in buffer_src.items()]
-        last_use = {}
-        for i, (_, members) in enumerate(work):
-            for _, _, file in members:
-                last_use[file] = i
-        staging: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for i, (c, members) in enumerate(work):
-                if c is not None:
-                    if engine.params.keeps(c):      # under several ranks, each loads the chunks it owns
-                        _load_chunk(engine, c, members, tensor, staging)
-                else:
-                    p, name, file = members[0]
-                    value = tensor(file, name)
-                    if p is None:
-                        module, b = buffers[name]
-                        getattr(module, b).copy_(value)
-                    else:
-                        p.data.copy_(value.reshape(p.shape))
-                loaded += [name for _, name, _ in members]
-                for _, _, file in members:
-                    if last_use[file] == i:
-                        close(file)
-    finally:
-        for file in list(handles):
-            close(file)
-    return {"loaded": loaded, "missing": missing, "unexpected": sorted(unexpected)}
-
-
-def _load_chunk(engine, c: int, members: list, tensor, staging: dict) -> None:
-    """Fill chunk ``c``'s fp32 values from ``members`` and write its param (+ master) chunk once."""
-    master = chunk_values(engine, c, {id(p) for p, _, _ in members}, staging)
-    for p, name, file in members:
-        s = engine.params.ref(p).slot
-        master[s.offset:s.end].copy_(tensor(file, name).reshape(-1))
-    write_chunk_values(engine, c, master, staging)
-
-
-def chunk_values(engine, c: int, covered: set[int], staging: dict) -> torch.Tensor:
-    """Chunk ``c``'s fp32 values, to be overwritten where parameters ``covered`` (their ids) lie:
-    zeros when they are all of its parameters (padding stays zero), else its current values.
-
-    ``staging`` holds buffers reused from chunk to chunk (fresh allocations per chunk leave the
-    heap fragmented and the process's RSS growing), sized for the largest chunk."""
-    params, store = engine.params, engine.store
-    n = engine.layout.chunk_numel(c)
-    kind = params.master_kind(c)       # "param" for a frozen chunk or fp32 compute
-    if "master" not in staging:
-        largest = engine.layout.largest_chunk
-        staging["master"] = store.staging_buffers(largest * 4, count=1)[0]
-        if params.has_master:
-            staging["param"] = torch.empty(largest, dtype=params.dtype, device="cpu")
-    if all(id(p) in covered for p in params.chunk_members[c]):
-        return staging["master"][: n * 4].view(torch.float32).zero_()
-    if kind == "master" or params.dtype == torch.float32:
-        return store.read_into((kind, c), staging["master"])
-    current = store.read_into(("param", c), staging["master"]).float()
-    return staging["master"][: n * 4].view(torch.float32).copy_(current)
-
-
-def write_chunk_values(engine, c: int, master: torch.Tensor, staging: dict) -> None:
-    """Write chunk ``c``'s param chunk (and its fp32 master, when it has one) from ``master``."""
-    params, store = engine.params, engine.store
-    if params.master_kind(c) == "master":
-        store.write(("master", c), master)
-    if params.has_master:
-        store.write(("param", c), staging["param"][:master.numel()].copy_(master))
-    else:
-        store.write(("param", c), master)
