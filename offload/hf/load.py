@@ -27,6 +27,7 @@ from torch import nn
 from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
+from .chunk_fill import chunk_values, write_chunk_values
 from .tensor_files import INDEX, SINGLE, one_line
 
 
@@ -268,8 +269,6 @@ def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None =
 def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) -> None:
     """Write each source into its chunk (or buffer); a plain checkpoint tensor is read a block at a
     time (``tensor_files.copy_tensor``), a converted one (fused experts) as its converter's group."""
-    from .chunk_fill import chunk_values, write_chunk_values
-
     chunks = model.offload_engine.chunks
     chunks.drain()
     chunked: dict[int, list] = {}
