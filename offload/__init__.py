@@ -35,10 +35,14 @@ def __getattr__(name):
         from . import preempt
 
         return getattr(preempt, name)
-    if name in ("export_safetensors", "load_safetensors"):
-        from . import weights
+    if name == "export_safetensors":
+        from .hf.safetensors_export import export_safetensors
 
-        return getattr(weights, name)
+        return export_safetensors
+    if name == "load_safetensors":
+        from .hf.safetensors_load import load_safetensors
+
+        return load_safetensors
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 __version__ = "0.1.0"

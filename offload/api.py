@@ -14,17 +14,12 @@ from torch import nn
 from . import grad_clip
 from .config import OffloadConfig
 from .engine import OffloadEngine
+from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
 from .lazy import lazy_record
-from .optim.cpu_adam import CPUAdamW, _scalar_dtype
-
+from .optim.cpu_adam import CPUAdamW, scalar_dtype
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def engine_of(p: torch.Tensor) -> OffloadEngine | None:
-    ref = getattr(p, "_offload_engine", None)
-    return ref() if ref is not None else None
 
 
 def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
@@ -42,13 +37,14 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         record = lazy_record(model)
         config = record.config if record is not None and record.config is not None else OffloadConfig()
     engine = OffloadEngine(model, config)
+    chunks = engine.chunks
     original_state_dict = model.state_dict
     original_load = model.load_state_dict
 
     def state_dict(*args, destination=None, prefix="", keep_vars=False):
-        engine.adam.drain()
+        chunks.drain()
         sd = original_state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
-        values = engine.params.gather_all()
+        values = chunks.gather()
         for k, v in list(sd.items()):
             if id(v) in values:
                 sd[k] = values[id(v)]
@@ -57,20 +53,20 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         return sd
 
     def load_state_dict(state: dict, strict: bool = True, assign: bool = False):
-        engine.adam.drain()
+        chunks.drain()
         by_name = dict(model.named_parameters(remove_duplicate=False))
         values, rest = {}, {}
         for k, v in state.items():
             p = by_name.get(k)
-            if p is not None and engine.params.owns(p):
-                if tuple(v.shape) != tuple(p.shape if p.numel() else engine.params.ref(p).slot.shape):
-                    raise ConfigError(k, tuple(v.shape), f"shape differs from the parameter's "
-                                                         f"{engine.params.ref(p).slot.shape}")
+            place = chunks.param(p) if p is not None else None
+            if place is not None:
+                if tuple(v.shape) != tuple(p.shape if p.numel() else place.slot.shape):
+                    raise ConfigError(k, tuple(v.shape), f"shape differs from the parameter's {place.slot.shape}")
                 values[id(p)] = v
             else:
                 rest[k] = v
-        missing = [n for n, p in by_name.items() if engine.params.owns(p) and id(p) not in values]
-        engine.params.scatter(values)
+        missing = [n for n, p in by_name.items() if chunks.param(p) is not None and id(p) not in values]
+        chunks.scatter(values)
         engine.drop_gathered()          # copies gathered from other ranks hold the old values
         result = original_load(rest, strict=False, assign=assign)
         missing_all = sorted(set(result.missing_keys) - set(by_name)) + missing
@@ -171,12 +167,13 @@ class AdamW(CPUAdamW):
     def state_dict(self):
         sd = super().state_dict()
         for e, entries in self._wrapped_by_engine().items():
-            e.adam.drain()
-            stepped = [(i, p, e.adam.steps[e.params.ref(p).index]) for i, p in entries]
+            e.chunks.drain()
+            steps = e.chunks.step_state().adam_steps
+            stepped = [(i, p, steps[e.chunks.param(p).index]) for i, p in entries]
             stepped = [entry for entry in stepped if entry[2] > 0]
-            moments = {kind: e.params.gather_all(kind, [p for _, p, _ in stepped]) for kind in MOMENTS}
-            for i, p, steps in stepped:
-                sd["state"][i] = {"step": torch.tensor(float(steps), dtype=_scalar_dtype(), device="cpu"),
+            moments = {kind: e.chunks.gather([p for _, p, _ in stepped], kind) for kind in MOMENTS}
+            for i, p, step in stepped:
+                sd["state"][i] = {"step": torch.tensor(float(step), dtype=scalar_dtype(), device="cpu"),
                                   **{kind: moments[kind][id(p)] for kind in MOMENTS}}
         return sd
 
@@ -186,11 +183,13 @@ class AdamW(CPUAdamW):
         super().load_state_dict({**state_dict, "state": {i: st for i, st in state_dict["state"].items()
                                                          if i not in ours}})
         for e, entries in mine.items():
-            e.adam.drain()
+            e.chunks.drain()
+            steps = list(e.chunks.step_state().adam_steps)
             for i, p in entries:
-                e.adam.steps[e.params.ref(p).index] = int(float(state_dict["state"][i]["step"]))
+                steps[e.chunks.param(p).index] = int(float(state_dict["state"][i]["step"]))
+            e.chunks.restore_step_state(adam_steps=steps)
             for kind in MOMENTS:
-                e.params.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
+                e.chunks.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
 
     def _wrapped_by_engine(self, indices=None) -> dict:
         """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices`` (all by default)."""

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
 
 _torch_clip = None       # torch's own clip_grad_norm_, once install() has replaced it
@@ -40,8 +41,6 @@ def torch_clip():
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over plain and offloaded parameters; returns the total norm."""
-    from .api import engine_of
-
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     engines: dict = {}
     plain = []
@@ -56,13 +55,14 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if float(norm_type) != 2.0:
         raise ConfigError("norm_type", norm_type, "offloaded gradients are clipped by their L2 norm only")
     for e, ids in engines.items():
-        missing = [e.params.ref(p).name for p in e.params.params if p.requires_grad and id(p) not in ids]
+        missing = [n for n, p in e.model.named_parameters()
+                   if p.requires_grad and id(p) not in ids and e.chunks.param(p) is not None]
         if missing:
             raise ConfigError("parameters", missing[0], "is missing: clip_grad_norm_ over an offloaded model "
                                                         "takes all its trainable parameters (model.parameters())")
         if e.optimizer is None:
             raise OffloadError("clip_grad_norm_ over an offloaded model needs its offload.AdamW created first")
-        if e.updated_chunks:
+        if e.chunks.step_state().window_updated:
             raise OffloadError("clip_grad_norm_ came after the update already ran during backward; "
                                "pass max_grad_norm=... to offload.AdamW(...) instead")
     grads = [p.grad for p in plain if p.grad is not None]

@@ -635,7 +635,7 @@ def train(args, ranks: Ranks) -> int:
         if changed and "data" in manifest["extra"]:
             say(f"finetune: note: {changed}")
         say(f"finetune: resumed from {manifest['path']} at step {start_step}")
-    say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.layout}")
+    say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; {model.offload_engine.chunks.layout}")
 
     flops_tok = flops_per_token(cfg, seq)
     log = open(args.json_log, "a") if args.json_log and ranks.lead else None
@@ -725,7 +725,7 @@ def summary(args, model, losses, times, predicted, t_start, tokens_per_step, for
     if not losses:
         print("finetune: nothing to do (already at --steps)", file=sys.stderr)
         return
-    report = model.offload_engine.store.memory_report()
+    report = model.offload_stats()["memory"]
     steady = sorted(times[1:] or times)
     median = steady[len(steady) // 2]
     first = sum(losses[: min(5, len(losses))]) / min(5, len(losses))

@@ -17,20 +17,21 @@ A checkpoint directory holds::
     optimizer_state.pt     optimizer state of parameters the engine does not own (only if any)
     extra.pt               ``extra`` when it is not JSON-serializable
 
-Under data parallelism (N ranks, ``engine.dp``) the chunk files are per rank -- ``rank-0000r/param.bin``
-and so on, each holding the chunks rank r owns (``c % N == r``) -- and the manifest (version 2)
-records ``"world": N``, each kind's ``files`` (one per rank) and each chunk entry's ``rank``; the
-files written once (buffers, optimizer state, ``extra``) come from rank 0. Any world size loads
-it: rank r of M reads chunk c (``c % M == r``) from the file of old rank ``c % N``. All ranks
-must share the filesystem the checkpoint root is on.
+Under data parallelism (N ranks) the chunk files are per rank -- ``rank-0000r/param.bin`` and so
+on, each holding the chunks rank r owns (``offload.distributed.sharding``) -- and the manifest
+(version 2) records ``"world": N``, each kind's ``files`` (one per rank) and each chunk entry's
+``rank``; the files written once (buffers, optimizer state, ``extra``) come from rank 0. Any
+world size loads it: each rank of M reads the chunks it owns among M from the file of the rank
+that entry names. All ranks must share the filesystem the checkpoint root is on.
 
 Gradients are not saved: a checkpoint is taken between ``optimizer.step()`` and the next
 backward, and loading leaves a clean accumulation window.
 
 Streaming: chunks go through two reused chunk-sized staging buffers. Saving reads chunk i+1
-(``store.read_into``, from the device, pinned CPU or straight from NVMe) and checksums it on a
+(``engine.chunks.read``, from the device, pinned CPU or straight from NVMe) and checksums it on a
 thread while chunk i is written to its file; loading reads and verifies chunk i+1 from its file
-while chunk i goes into the store (``store.write``). Extra memory is two chunks of the largest
+while chunk i goes into the engine (``engine.chunks.write``). The engine is seen through its
+chunk interface (``offload.chunks.access``) only. Extra memory is two chunks of the largest
 kind, whatever the model size. Written data is synced every ``SYNC_EVERY`` bytes and dropped
 from the page cache, so a 1 TB checkpoint does not push the training state out of RAM.
 

@@ -2,7 +2,7 @@
 dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it.
 
 A checkpoint written by N ranks is read by M: rank r of M reads the chunks it keeps
-(``c % M == r``) from whichever rank's files hold them, so each rank checks the entries and
+(``Ranks.keeps``) from whichever rank's files hold them, so each rank checks the entries and
 files of the chunks it will read; between them the ranks check every chunk. A mismatch is the
 caller's mistake (``ConfigError`` naming what differs), never a reason to fall back to an older
 checkpoint; a missing or truncated file is damage (``OffloadError``).
@@ -27,29 +27,31 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
     if manifest["dtype"] != engine.config.dtype:
         raise ConfigError("dtype", engine.config.dtype, f"the checkpoint {ckpt} was saved with dtype "
                                                         f"{manifest['dtype']!r}")
-    _check_params(engine, lay, ckpt)
-    if lay["chunk_size"] != engine.layout.chunk_size or lay["num_chunks"] != engine.layout.num_chunks:
-        raise ConfigError("chunk_size", engine.layout.chunk_size,
+    chunks = engine.chunks
+    _check_params(chunks, lay, ckpt)
+    layout = chunks.layout
+    if lay["chunk_size"] != layout.chunk_size or lay["num_chunks"] != layout.num_chunks:
+        raise ConfigError("chunk_size", layout.chunk_size,
                           f"the checkpoint {ckpt} has {lay['num_chunks']} chunks of {lay['chunk_size']} elements")
-    if len(manifest["adam_steps"]) != len(engine.adam.steps):
-        raise OffloadError(f"{ckpt / MANIFEST}: {len(manifest['adam_steps'])} step counts for "
-                           f"{len(engine.adam.steps)} parameters")
+    params = len(chunks.step_state().adam_steps)
+    if len(manifest["adam_steps"]) != params:
+        raise OffloadError(f"{ckpt / MANIFEST}: {len(manifest['adam_steps'])} step counts for {params} parameters")
     world = int(manifest.get("world", 1))
     if world < 1:
         raise OffloadError(f"{ckpt / MANIFEST}: world size {world}")
-    kinds = model_kinds(engine)
+    kinds = model_kinds(chunks)
     for kind, info in manifest["kinds"].items():
         if kind not in kinds:
             raise ConfigError("kind", kind, f"the checkpoint {ckpt} has {kind!r} chunks this model does not")
-        _check_kind(engine, ranks, ckpt, kind, info, world)
+        _check_kind(chunks, ranks, ckpt, kind, info, world)
     for kind in SAVED_KINDS:
         if kind in kinds and kind not in manifest["kinds"]:
             raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
 
 
-def _check_params(engine, lay: dict, ckpt: Path) -> None:
+def _check_params(chunks, lay: dict, ckpt: Path) -> None:
     saved = {e[0]: e for e in lay["params"]}
-    mine = {e[0]: e for e in layout_entries(engine)}
+    mine = {e[0]: e for e in layout_entries(chunks)}
     for name, e in mine.items():
         if name not in saved:
             raise ConfigError("parameter", name, f"is not in the checkpoint {ckpt}")
@@ -66,9 +68,10 @@ def _check_params(engine, lay: dict, ckpt: Path) -> None:
                                                  f"({len(extra)} such)")
 
 
-def _check_kind(engine, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: int) -> None:
-    dtype = model_kinds(engine)[kind]
-    layout = engine.layout
+def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: int) -> None:
+    dtype = model_kinds(chunks)[kind]
+    layout = chunks.layout
+    model = chunks.chunks()
     bulk = layout.chunk_size * dtype.itemsize
     if DTYPES.get(info["dtype"]) != dtype or info["chunk_bytes"] != bulk:
         raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info['chunk_bytes']} bytes in the "
@@ -86,7 +89,7 @@ def _check_kind(engine, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
         rank = int(entry.get("rank", 0))
         if not 0 <= rank < world:
             raise OffloadError(f"{ckpt / MANIFEST}: chunk {kind}[{c}] is on rank {rank} of {world}")
-        if (kind, c) not in engine.store.records or entry_bytes(info, entry) != engine.store.records[(kind, c)].nbytes:
+        if kind not in model[c].kinds or entry_bytes(info, entry) != model[c].nbytes(kind):
             raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
                                             "model's (a different chunk layout or set of frozen parameters)")
         mine.add(entry_file(info, entry))

@@ -13,8 +13,8 @@ Small files (optimizer state, buffers, ``extra``) are read and verified before a
 the model changes; chunks are verified as they stream in, so a mismatch there leaves the
 model partly loaded -- and the next candidate then overwrites every chunk.
 
-Several ranks (``engine.dp``): every rank calls it; rank 0 lists the candidates, each rank
-loads the chunks it keeps at the current world size (``c % M == r``), whichever rank's files
+Several ranks (data parallelism): every rank calls it; rank 0 lists the candidates, each rank
+loads the chunks it keeps at the current world size (``Ranks.keeps``), whichever rank's files
 of the saving run hold them, so a checkpoint of N ranks loads at any M (1 without a process
 group included). After each candidate the ranks compare outcomes: if any rank found it
 damaged, every rank skips it; a mismatch or an engine failure on any rank makes every rank
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from ..chunks.states import ChunkState
+from ..engine.access import engine_of
 from ..errors import ChecksumError, ConfigError, OffloadError
 from .compat import check_compatible
 from .format import DTYPES, checksum, entry_bytes, entry_file, read_checked_file, read_manifest
 from .listing import candidates
-from .model_state import engine_of, persistent_buffers, pipelined, restore_hypers
+from .model_state import persistent_buffers, pipelined, restore_hypers
 from .ranks import PeerFailed, Ranks, peer_error, report
 
 
@@ -71,7 +71,7 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     and offset) and the model's state is then partly loaded (load another checkpoint).
     Under data parallelism every rank calls it, at any world size (see the module docstring).
     """
-    engine = engine_of(model)
+    engine = engine_of(model, required=True)
     ranks = Ranks.of(engine)
     error, found = None, None
     try:
@@ -159,18 +159,14 @@ def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
     if manifest.get("extra_file"):
         manifest["extra"] = small(manifest["extra_file"])
 
-    _on_engine(engine.adam.drain)
+    _on_engine(engine.chunks.drain)
     _on_engine(engine.zero_grad)             # a clean window: no gradients, nothing applied
     _on_engine(engine.drop_gathered)         # other ranks' chunks gathered here go stale now
     t0 = time.perf_counter()
     _load_chunks(engine, manifest, ckpt, algorithm, ranks)
     read_s = time.perf_counter() - t0
-    engine.adam.steps[:] = [int(s) for s in manifest["adam_steps"]]
-    engine.step_count = int(manifest["engine_step_count"])
-    if engine.scaler is not None and manifest.get("scaler"):
-        engine.scaler.scale = float(manifest["scaler"]["scale"])
-        engine.scaler.good_steps = int(manifest["scaler"]["good_steps"])
-        engine.scaler.skipped = int(manifest["scaler"]["skipped"])
+    engine.chunks.restore_step_state(adam_steps=manifest["adam_steps"], step_count=manifest["engine_step_count"],
+                                     scaler=manifest.get("scaler") or None)
     if optimizer is not None and opt is not None:
         restore_hypers(optimizer, opt["param_groups"], ckpt)
         if hasattr(optimizer, "max_grad_norm") and "max_grad_norm" in opt:
@@ -219,16 +215,14 @@ def read_chunk(fd: int, path: Path, kind: str, c: int, entry: dict, nbytes: int,
 
 
 def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str, ranks: Ranks) -> None:
-    store = engine.store
+    chunks = engine.chunks
     items: list[tuple[str, int, dict]] = []
     for kind, info in manifest["kinds"].items():
         for c, entry in enumerate(info["chunks"]):
             if not ranks.keeps(c):
                 continue            # another rank's (its parameters here are only ever transient)
-            if entry is None:
-                rec = store.records.get((kind, c))
-                if rec is not None and rec.state is not ChunkState.FREE:
-                    _on_engine(store.release_storage, (kind, c))
+            if entry is None:       # it held nothing when saved
+                _on_engine(chunks.write, kind, c, None)
             else:
                 items.append((kind, c, entry))
     biggest = max((entry_bytes(manifest["kinds"][k], e) for k, _, e in items), default=0)
@@ -250,7 +244,7 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str, ranks: Rank
 
     def consume(i, data):
         kind, c, _ = items[i]
-        _on_engine(store.write, (kind, c), data)
+        _on_engine(chunks.write, kind, c, data)
 
     try:
         pipelined(items, fetch, consume)

@@ -1,5 +1,6 @@
-"""The model's side of a checkpoint: its engine, buffers, optimizer hyper-parameters and the
-state of parameters the engine does not own; the two-buffer pipeline that streams chunks."""
+"""The model's side of a checkpoint: its kinds and parameter layout, buffers, optimizer
+hyper-parameters and the state of parameters the engine does not hold; the two-buffer pipeline
+that streams chunks. The chunks are seen through ``offload.chunks.access`` only."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, OffloadError
-
-
-def engine_of(model):
-    engine = getattr(model, "offload_engine", None)
-    if engine is None:
-        raise ConfigError("model", type(model).__name__, "is not wrapped by offload.wrap (no offload_engine)")
-    if getattr(engine, "_closed", False):
-        raise OffloadError("the model's offload engine is closed: its state is gone")
-    return engine
+from ..chunks.access import ChunkAccess
+from ..errors import ConfigError
 
 
 def persistent_buffers(model) -> dict[str, tuple[torch.nn.Module, str]]:
@@ -84,33 +77,28 @@ def restore_hypers(optimizer, groups: list[dict], where: Path) -> None:
                 group[k] = v
 
 
-def foreign_optimizer_state(optimizer, engine) -> dict[int, dict]:
-    """Optimizer state of parameters the engine does not own (plain CPU parameters), by index."""
+def foreign_optimizer_state(optimizer, chunks: ChunkAccess) -> dict[int, dict]:
+    """Optimizer state of parameters the engine does not hold (plain CPU parameters), by index."""
     out, i = {}, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not engine.params.owns(p) and p in optimizer.state and optimizer.state[p]:
+            if chunks.param(p) is None and p in optimizer.state and optimizer.state[p]:
                 out[i] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                           for k, v in optimizer.state[p].items()}
             i += 1
     return out
 
 
-def model_kinds(engine) -> dict[str, torch.dtype]:
+def model_kinds(chunks: ChunkAccess) -> dict[str, torch.dtype]:
     """The saved kinds the model has, with their dtypes, whichever chunks this rank keeps: the
     parameters always; when some chunk is trainable, its Adam moments and (compute dtype not
-    fp32) its fp32 master. Mirrors what the engine registers; the same at every world size."""
-    kinds = {"param": engine.params.dtype}
-    if engine.layout.trainable_chunks:
-        if engine.params.has_master:
-            kinds["master"] = torch.float32
-        kinds["exp_avg"] = torch.float32
-        kinds["exp_avg_sq"] = torch.float32
-    return kinds
+    fp32) its fp32 master. The same at every world size."""
+    return dict(chunks.kinds)
 
 
-def layout_entries(engine) -> list[list]:
-    return [[s.name, s.chunk, s.offset, s.numel, list(s.shape)] for s in engine.layout.slots]
+def layout_entries(chunks: ChunkAccess) -> list[list]:
+    """``[name, chunk, offset, numel, shape]`` of every parameter, in layout order (the manifest's)."""
+    return [[s.name, s.chunk, s.offset, s.numel, list(s.shape)] for s in chunks.layout.slots]
 
 
 def pipelined(items: list, fetch, consume, device: torch.device | None = None) -> None:

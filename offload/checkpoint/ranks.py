@@ -1,11 +1,11 @@
 """The ranks that save, load or export one model together, and how they agree.
 
-Under data parallelism (``engine.dp`` set) every rank keeps only the chunks it owns; a
-checkpoint is written by all of them at once and read back by all of them at once, perhaps at
+Under data parallelism (the engine's ``chunks.sharding`` set) every rank keeps only the chunks
+it owns (``offload.distributed.sharding`` says which); a checkpoint is written by all of them at once and read back by all of them at once, perhaps at
 another world size. Each step that can fail on one rank only (a full disk, a checksum
 mismatch in one rank's file) ends in ``settle``: every rank says how its part went, and then
 either every rank goes on or every rank raises -- never one raising while the others wait in
-the next collective. Without a process group (``engine.dp`` None) there is one rank and every
+the next collective. Without a process group (``sharding`` None) there is one rank and every
 collective is the identity.
 """
 
@@ -26,17 +26,18 @@ class PeerFailed(OffloadError):
 
 
 class Ranks:
-    """This process's place among the ranks of ``engine.dp`` (rank 0 of 1 without one)."""
+    """This process's place among the ranks of a ``Sharding`` (rank 0 of 1 without one)."""
 
-    def __init__(self, dp=None):
-        self.dp = dp
-        self.rank = 0 if dp is None else int(dp.rank)
-        self.world = 1 if dp is None else int(dp.world)
-        self.group = None if dp is None else getattr(dp, "group", None)
+    def __init__(self, sharding=None):
+        self.sharding = sharding
+        self.rank = 0 if sharding is None else int(sharding.rank)
+        self.world = 1 if sharding is None else int(sharding.world)
+        self.group = None if sharding is None else getattr(sharding, "group", None)
 
     @classmethod
     def of(cls, engine) -> "Ranks":
-        return cls(getattr(engine, "dp", None))
+        """The ranks of ``engine``'s model (its ``chunks.sharding``)."""
+        return cls(engine.chunks.sharding)
 
     @property
     def sharded(self) -> bool:
@@ -48,8 +49,8 @@ class Ranks:
         return self.rank == 0
 
     def keeps(self, c: int) -> bool:
-        """Whether this rank persistently stores chunk ``c`` (``engine.params.keeps``)."""
-        return self.world == 1 or c % self.world == self.rank
+        """Whether this rank persistently stores chunk ``c`` (``Sharding.owns``; every chunk on one rank)."""
+        return self.sharding is None or self.sharding.owns(c)
 
     # ---- collectives (identity on one rank) -----------------------------------------------
     def gather(self, obj) -> list:

@@ -1,7 +1,7 @@
 """Writing a checkpoint: chunks streamed from every tier into one file per kind (per kind and
 rank under data parallelism), the manifest last, the whole directory renamed into place.
 
-Several ranks (``engine.dp``): every rank calls ``save_checkpoint``; rank 0 makes the temp
+Several ranks (data parallelism): every rank calls ``save_checkpoint``; rank 0 makes the temp
 directory, each rank writes the chunks it owns into ``rank-0000r/`` of it and fsyncs them,
 rank 0 then writes the manifest (chunk -> rank's file), the files written once (buffers,
 optimizer state, ``extra``), renames the directory into place and moves ``latest`` -- only
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from ..chunks.states import ChunkState
+from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
 from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SHARDED_VERSION, VERSION, checksum,
                      checksum_algorithm, checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
-from .model_state import (engine_of, foreign_optimizer_state, group_hypers, layout_entries, model_kinds,
-                          persistent_buffers, pipelined)
+from .model_state import (foreign_optimizer_state, group_hypers, layout_entries, model_kinds, persistent_buffers,
+                          pipelined)
 from .ranks import Ranks, shard_dir
 
 
@@ -51,7 +51,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     rank calls it with the same arguments (rank 0's ``step``, ``extra`` and ``keep`` are used), on
     a filesystem all ranks share; it returns on every rank once the checkpoint is in place.
     """
-    engine = engine_of(model)
+    engine = engine_of(model, required=True)
     ranks = Ranks.of(engine)
     error, plan = None, None
     try:
@@ -96,13 +96,14 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
 def _check_ready(engine, optimizer, step, keep) -> int:
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ConfigError("keep", keep, "must be a positive integer or None")
-    engine.adam.drain()
-    if engine.micro_batches or engine.window_applied:
+    engine.chunks.drain()
+    state = engine.chunks.step_state()
+    if state.window_open:
         raise OffloadError("save_checkpoint came in the middle of an accumulation window (backward ran, "
                            "optimizer.step() did not): call it after optimizer.step()")
     if optimizer is not None and engine.optimizer is not None and optimizer is not engine.optimizer:
         raise ConfigError("optimizer", type(optimizer).__name__, "is not the optimizer attached to this model")
-    step = engine.step_count if step is None else int(step)
+    step = state.step_count if step is None else int(step)
     if step < 0:
         raise ConfigError("step", step, "must be >= 0")
     return step
@@ -148,27 +149,26 @@ def _commit(engine, optimizer, root: Path, tmp: Path, step: int, extra, keep, al
 def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
     """Write the chunks this rank keeps, one file per kind in ``where``; returns
     ``{kind: {chunk: entry}}`` (entries: offset, checksum, ``nbytes`` when not the bulk size)."""
-    store, layout = engine.store, engine.layout
-    kinds = model_kinds(engine)
-    items: list[tuple[str, int]] = []
-    for kind in kinds:
-        # Frozen chunks have no master or optimizer state; a chunk not of the bulk size (an
-        # oversized parameter's, a class's last) says its own ``nbytes`` in its entry.
-        for c in range(layout.num_chunks):
-            rec = store.records.get((kind, c))
-            if rec is not None and ranks.keeps(c) and rec.state is not ChunkState.FREE:
-                items.append((kind, c))
+    chunks = engine.chunks
+    kinds = model_kinds(chunks)
+    # Frozen chunks have no master or optimizer state; a chunk not of the bulk size (an
+    # oversized parameter's, a class's last) says its own ``nbytes`` in its entry.
+    kept = chunks.chunks(kept_only=True)
+    items = [(kind, info) for kind in kinds for info in kept if kind in info.kinds]
     entries: dict[str, dict[int, dict]] = {kind: {} for kind in kinds}
-    bulk = {kind: layout.chunk_size * dtype.itemsize for kind, dtype in kinds.items()}
-    bufs = store.staging_buffers(max((store.largest_bytes(kind) for kind, _ in items), default=0))
+    bulk = {kind: chunks.layout.chunk_size * dtype.itemsize for kind, dtype in kinds.items()}
+    bufs = chunks.staging(max((info.nbytes(kind) for kind, info in items), default=0), count=2)
     writers: dict[str, KindWriter] = {}
 
     def fetch(i):
-        data = store.read_into(items[i], bufs[i % 2])
-        return data, checksum(algorithm, data)
+        kind, info = items[i]
+        data = chunks.read(kind, info.index, bufs[i % 2])
+        return None if data is None else (data, checksum(algorithm, data))
 
     def consume(i, result):
-        kind, c = items[i]
+        if result is None:
+            return          # it holds nothing (Adam moments before the first step): ``null``
+        kind, c = items[i][0], items[i][1].index
         data, crc = result
         if data.dtype != kinds[kind]:
             raise OffloadError(f"chunk {kind}[{c}] holds {data.dtype}, a checkpoint expects {kinds[kind]}")
@@ -192,9 +192,9 @@ def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
 
 def _merge(engine, ranks: Ranks, shards: list[dict]) -> dict:
     """The manifest's ``kinds``: every rank's chunk entries in one list per kind."""
-    layout = engine.layout
+    layout = engine.chunks.layout
     kinds = {}
-    for kind, dtype in model_kinds(engine).items():
+    for kind, dtype in model_kinds(engine.chunks).items():
         info = {"dtype": DTYPE_NAMES[dtype], "chunk_bytes": layout.chunk_size * dtype.itemsize,
                 "chunks": [None] * layout.num_chunks}
         if ranks.sharded:
@@ -209,7 +209,7 @@ def _merge(engine, ranks: Ranks, shards: list[dict]) -> dict:
 
 
 def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, kinds: dict) -> dict:
-    layout = engine.layout
+    layout, state = engine.chunks.layout, engine.chunks.step_state()
     total = sum(int(e.get("nbytes", info["chunk_bytes"])) for info in kinds.values()
                 for e in info["chunks"] if e is not None)
     world = Ranks.of(engine).world
@@ -220,14 +220,12 @@ def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, ki
         "created": time.time(),
         "checksum": algorithm,
         "dtype": engine.config.dtype,
-        "engine_step_count": engine.step_count,
+        "engine_step_count": state.step_count,
         "layout": {"chunk_size": layout.chunk_size, "num_chunks": layout.num_chunks,
-                   "params": layout_entries(engine)},
+                   "params": layout_entries(engine.chunks)},
         "kinds": kinds,
-        "adam_steps": list(engine.adam.steps),
-        "scaler": None if engine.scaler is None else {
-            "scale": engine.scaler.scale, "good_steps": engine.scaler.good_steps,
-            "skipped": engine.scaler.skipped},
+        "adam_steps": list(state.adam_steps),
+        "scaler": state.scaler,
         "optimizer": None,
         "buffers": None,
         "extra": None,
@@ -236,7 +234,7 @@ def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, ki
     if optimizer is not None:
         manifest["optimizer"] = {"class": type(optimizer).__name__, "param_groups": group_hypers(optimizer),
                                  "max_grad_norm": getattr(optimizer, "max_grad_norm", None), "state": None}
-        foreign = foreign_optimizer_state(optimizer, engine)
+        foreign = foreign_optimizer_state(optimizer, engine.chunks)
         if foreign:
             manifest["optimizer"]["state"] = torch_save_checked(foreign, tmp / "optimizer_state.pt", algorithm)
     buffers = {n: getattr(m, b).detach().cpu() for n, (m, b) in persistent_buffers(engine.model).items()}

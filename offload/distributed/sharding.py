@@ -51,13 +51,15 @@ class Sharding:
         return cls(rank, world, local, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
     def owner(self, c: int) -> int:
-        return c % self.world
+        """The rank that keeps chunk ``c`` (``owner_of``)."""
+        return owner_of(c, self.world)
 
     def owns(self, c: int) -> bool:
-        return c % self.world == self.rank
+        """Whether this rank keeps chunk ``c``."""
+        return self.owner(c) == self.rank
 
     def owned(self, chunks: Iterable[int]) -> list[int]:
-        return [c for c in chunks if c % self.world == self.rank]
+        return [c for c in chunks if self.owns(c)]
 
     def group_of(self, c: int) -> int:
         return c // self.world
@@ -71,7 +73,8 @@ class Sharding:
 
 
 def owner_of(c: int, world: int) -> int:
-    """Owner of chunk ``c`` among ``world`` ranks (the rule ``Sharding.owner`` applies)."""
+    """Owner of chunk ``c`` among ``world`` ranks: the one ownership rule (round-robin), which
+    ``Sharding.owner`` / ``owns`` apply and everything else asks them for."""
     return c % world
 
 

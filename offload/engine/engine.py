@@ -33,6 +33,7 @@ from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes_shar
 from ..tiers.gpu_timeline import GpuTimeline
 from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
+from .access import EngineChunks
 from .gradients import GradCapture
 from .activation_hooks import make_activation_store
 from .module_hooks import ModuleHooks
@@ -167,6 +168,8 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         self.saved = SavedParameterViews(self.params, self.device, self.activations)
         self.last_stats: dict = {}
         self._closed = False
+        # What code outside the engine may use of its chunks (offload.chunks.access).
+        self.chunks = EngineChunks(self)
 
     def drop_gathered(self) -> None:
         """Under several ranks, free the parameter chunks gathered from other ranks: their owners
@@ -189,8 +192,18 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         failure.install(self.dp.rank)
         self.comm_device = collective_device()
         self.comms = Collectives(self.dp, streams=self.store.streams, device=self.device)
-        self.gather = GroupGather(self, self.comms, prefetch=1 if self.config.prefetch_depth > 0 else 0)
-        self.reducer = GradReducer(self, self.comms)
+        params = self.params
+        self.gather = GroupGather(self.comms, self.store, self.layout, tier=params.tier,
+                                  in_use=lambda c: params.pins[c] > 0, wait_for_update=self.adam.wait_for,
+                                  on_sent=self._on_unpinned, prefetch=1 if self.config.prefetch_depth > 0 else 0)
+
+        def dropped(c: int) -> None:    # another rank's gradients went to their owner: none are left here
+            self.grad_chunks.discard(c)
+            self.sumsq.pop(c, None)
+
+        self.reducer = GradReducer(self.comms, self.store, self.layout, tier=params.tier, on_compute=self._on_compute,
+                                   on_reduced=lambda c, view: self._grad_chunk_ready(c, view, reduced=True),
+                                   on_dropped=dropped)
         self.params.ensure = self.gather.ensure
         self.params.comms = self.comms
         self.params.comm_device = self.comm_device

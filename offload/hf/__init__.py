@@ -1,5 +1,15 @@
 """Hugging Face checkpoints in and out: a local model directory in (``load_pretrained``), an HF
-directory out (``export_pretrained``), LoRA adapters through peft (``offload.hf.lora``)."""
+directory out (``export_pretrained``), LoRA adapters through peft (``offload.hf.lora``).
+
+Modules: ``load`` (a model directory: config, shard headers, meta model, streaming into chunks),
+``sources`` (which checkpoint tensors make each model tensor, transformers' conversions applied),
+``tensor_files`` (safetensors file names, reading tensors in row blocks), ``export`` (an HF
+directory out), ``lora``, ``describe`` (a model's shape for the planner), ``output`` (what a
+fine-tuning run writes at its end). Chunk I/O for weight files, through the chunk interface
+(``engine.chunks``): ``safetensors_export`` (``offload.export_safetensors``, streamed shards),
+``chunk_source`` (an export's chunks from their owner ranks), ``safetensors_load``
+(``offload.load_safetensors``), ``chunk_fill`` (a chunk's values assembled from tensors).
+"""
 
 from .export import export_pretrained
 from .load import load_pretrained, read_checkpoint

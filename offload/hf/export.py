@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.ranks import Ranks
+from ..engine.access import engine_of
 from ..errors import ConfigError
 from ..units import parse_bytes
 
@@ -146,10 +147,10 @@ def _shapes(model) -> dict[str, torch.Size]:
     """Names and shapes of what an export writes (tied copies and non-persistent buffers excluded)."""
     from ..checkpoint import persistent_buffers
 
-    engine = getattr(model, "offload_engine", None)
+    engine = engine_of(model)
     out = {}
     if engine is not None:
-        for s in engine.layout.slots:
+        for s in engine.chunks.layout.slots:
             out[s.name] = torch.Size(s.shape)
     else:
         out.update({n: p.shape for n, p in model.named_parameters()})
@@ -170,13 +171,13 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     Under data parallelism every rank calls it; rank 0 writes the directory (see
     ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
-    from ..weights import _dtype, export_safetensors
+    from .safetensors_export import export_safetensors, parse_dtype
 
     hf_config = hf_config if hf_config is not None else getattr(model, "config", None)
     if hf_config is None or not hasattr(hf_config, "to_json_file"):
         raise ConfigError("model", type(model).__name__, "has no Hugging Face config to export with")
-    engine = getattr(model, "offload_engine", None)
-    out_dtype = _dtype(dtype) or (engine.params.dtype if engine is not None else torch.float32)
+    engine = engine_of(model)
+    out_dtype = parse_dtype(dtype) or (engine.chunks.kinds["param"] if engine is not None else torch.float32)
     if source is None and getattr(model, "hf_checkpoint", None) is not None:
         source = model.hf_checkpoint.directory
     limit = max_shard_bytes(max_shard_size)

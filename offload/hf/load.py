@@ -27,14 +27,8 @@ from torch import nn
 from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+from .chunk_fill import chunk_values, write_chunk_values
+from .tensor_files import INDEX, SINGLE, one_line
 
 
 def _require(module: str, extra: str):
@@ -86,14 +80,14 @@ def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     try:
         hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
     except Exception as exc:
-        raise OffloadError(f"{root / 'config.json'}: transformers cannot read this config ({_one_line(exc)})") from exc
+        raise OffloadError(f"{root / 'config.json'}: transformers cannot read this config ({one_line(exc)})") from exc
     if (root / INDEX).is_file():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise OffloadError(f"{root / INDEX}: not a safetensors index ({_one_line(exc)})") from exc
+            raise OffloadError(f"{root / INDEX}: not a safetensors index ({one_line(exc)})") from exc
         files = sorted(set(weight_map.values()))
         for name, fname in weight_map.items():
             if not (root / fname).is_file():
@@ -115,7 +109,7 @@ def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
                 for name in f.keys():
                     tensors[name] = TensorInfo(path, tuple(f.get_slice(name).get_shape()))
         except Exception as exc:
-            raise OffloadError(f"{path}: not a readable safetensors file ({_one_line(exc)})") from exc
+            raise OffloadError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
     if weight_map is not None:
         for name, fname in weight_map.items():
             if name not in tensors or tensors[name].file.name != fname:
@@ -136,7 +130,7 @@ def build_meta_model(ckpt: Checkpoint, config: OffloadConfig | None = None) -> n
             model = AutoModelForCausalLM.from_config(ckpt.hf_config, dtype=torch.float32)
     except Exception as exc:
         raise OffloadError(f"{ckpt.directory / 'config.json'}: transformers cannot build a causal LM from it "
-                           f"({_one_line(exc)})") from exc
+                           f"({one_line(exc)})") from exc
     _materialize_buffers(model, ckpt)
     return model
 
@@ -272,41 +266,11 @@ def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None =
     return wrapped
 
 
-BLOCK_BYTES = 8 << 20
-"""Rows of a tensor are read in blocks of about this size, each through its own ``safe_open``: a
-shard's pages stay mapped (and count in RSS) only while their block is copied."""
-
-
-def _read_rows(file: Path, name: str, start: int, stop: int | None = None) -> torch.Tensor:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            sl = f.get_slice(name)
-            if not sl.get_shape():
-                return f.get_tensor(name)
-            return sl[start:stop]
-    except Exception as exc:
-        raise OffloadError(f"{file}: tensor {name!r} cannot be read ({_one_line(exc)})") from exc
-
-
-def copy_tensor(dst: torch.Tensor, file: Path, name: str, shape: tuple[int, ...]) -> None:
-    """Copy checkpoint tensor ``name`` into the flat ``dst`` (converting its dtype), block by block."""
-    if not shape:
-        dst.copy_(_read_rows(file, name, 0).reshape(-1))
-        return
-    row = _numel(shape[1:])
-    per = max(1, BLOCK_BYTES // max(4 * row, 1))          # 4 B: fp32, the widest usual dtype
-    for r0 in range(0, shape[0], per):
-        r1 = min(shape[0], r0 + per)
-        dst[r0 * row:r1 * row].copy_(_read_rows(file, name, r0, r1).reshape(-1))
-
-
 def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) -> None:
     """Write each source into its chunk (or buffer); a plain checkpoint tensor is read a block at a
-    time, a converted one (fused experts) as its converter's group."""
-    engine = model.offload_engine
-    engine.adam.drain()
+    time (``tensor_files.copy_tensor``), a converted one (fused experts) as its converter's group."""
+    chunks = model.offload_engine.chunks
+    chunks.drain()
     chunked: dict[int, list] = {}
     seen: set[int] = set()
     with torch.no_grad():
@@ -318,22 +282,16 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
             if id(p) in seen:
                 continue                     # tied: one tensor fills it
             seen.add(id(p))
-            chunked.setdefault(engine.params.ref(p).slot.chunk, []).append((p, source))
+            slot = chunks.param(p).slot
+            chunked.setdefault(slot.chunk, []).append((slot, source))
         staging: dict[str, torch.Tensor] = {}
         for c in sorted(chunked):
-            if engine.params.keeps(c):      # under several ranks, each fills the chunks it owns
-                _fill_chunk(engine, c, chunked[c], staging)
-
-
-def _fill_chunk(engine, c: int, members: list, staging: dict) -> None:
-    """Chunk ``c``'s fp32 values from its tensors, then its param (+ master) chunk written once.
-
-    A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``) is read
-    first; padding stays zero (``offload.weights.chunk_values``)."""
-    from ..weights import chunk_values, write_chunk_values
-
-    master = chunk_values(engine, c, {id(p) for p, _ in members}, staging)
-    for p, source in members:
-        slot = engine.params.ref(p).slot
-        source.copy_into(master[slot.offset:slot.end])
-    write_chunk_values(engine, c, master, staging)
+            info = chunks.chunks()[c]
+            if not info.kept:
+                continue        # under several ranks, each fills the chunks it owns
+            # A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``)
+            # is read first; padding stays zero (``chunk_fill.chunk_values``).
+            master = chunk_values(chunks, info, {slot.name for slot, _ in chunked[c]}, staging)
+            for slot, source in chunked[c]:
+                source.copy_into(master[slot.offset:slot.end])
+            write_chunk_values(chunks, info, master, staging)

@@ -115,7 +115,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path
 
     engine = model.offload_engine
     named = adapter_parameters(model)
-    values = engine.params.gather_all(params=[p for _, p in named])
+    values = engine.chunks.gather([p for _, p in named])
     state = {n: values[id(p)] for n, p in named}
     if source is not None:
         for cfg in model.peft_config.values():
@@ -147,7 +147,7 @@ def merged_export(model: nn.Module):
         if isinstance(module, LoraLayer):
             layers[f"{mname}.base_layer.weight"] = module
     lora_params = [p for _, p in adapter_parameters(model)]
-    values = engine.params.gather_all(params=lora_params)
+    values = engine.chunks.gather(lora_params)
     tied = dict(getattr(model.get_base_model(), "all_tied_weights_keys", None) or {})
 
     def rename(name: str) -> str | None:

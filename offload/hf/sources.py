@@ -21,11 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import OffloadError
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+from .tensor_files import copy_tensor, one_line, read_rows
 
 
 @dataclass
@@ -40,8 +36,6 @@ class Direct:
         return f"{self.file}: tensor {self.name!r}"
 
     def copy_into(self, dst: torch.Tensor) -> None:
-        from .load import copy_tensor
-
         copy_tensor(dst, self.file, self.name, self.shape)
 
 
@@ -72,14 +66,12 @@ class Group:
         try:
             out = self._convert(lambda n, f, s: torch.empty(s, device="meta"))
         except Exception as exc:
-            raise OffloadError(f"{self.where()}: transformers' conversion fails ({_one_line(exc)})") from exc
+            raise OffloadError(f"{self.where()}: transformers' conversion fails ({one_line(exc)})") from exc
         return {k: tuple(v.shape) for k, v in out.items()}
 
     def value(self, target: str) -> torch.Tensor:
         if self.outputs is None:
-            from .load import _read_rows
-
-            self.outputs = self._convert(lambda n, f, s: _read_rows(f, n, 0))
+            self.outputs = self._convert(lambda n, f, s: read_rows(f, n, 0))
             self.pending = set(self.outputs)
         return self.outputs[target]
 

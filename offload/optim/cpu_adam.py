@@ -17,7 +17,8 @@ from ..errors import ConfigError, UnsupportedError
 from .kernel import adam_step, check_hparams, resolve_threads
 
 
-def _scalar_dtype() -> torch.dtype:
+def scalar_dtype() -> torch.dtype:
+    """The dtype of an Adam state's ``step`` tensor, as torch makes it."""
     # torch keeps 'step' as float32 unless the default dtype is float64 (_get_scalar_dtype)
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -133,7 +134,7 @@ class _CPUAdamBase(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+                state["step"] = torch.tensor(0.0, dtype=scalar_dtype(), device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             step_t = state["step"]

@@ -153,7 +153,7 @@ def scenario_failing_save(tmp, rank, world, args):
 
 
 def scenario_export(tmp, rank, world, args):
-    from offload.weights import export_safetensors
+    from offload import export_safetensors
 
     model, opt = build(tmp)
     offload.load_checkpoint(model, opt, tmp / "ckpt")

@@ -102,6 +102,6 @@ def test_model_kinds_are_the_kinds_the_engine_registers(dtype, frozen):
         for (kind, c), rec in engine.store.records.items():
             if kind != "grad":
                 registered.setdefault(kind, rec.dtype)
-        assert model_kinds(engine) == registered
+        assert model_kinds(engine.chunks) == registered
     finally:
         engine.close()

@@ -1,6 +1,6 @@
 """Chunk values for an export (``export_safetensors``), read from whichever rank keeps them.
 
-In a single process ``read(c)`` is the store's ``read_into``. Under data parallelism every rank
+In a single process ``read(c)`` is the chunk interface's ``read``. Under data parallelism every rank
 exports together and only rank 0 writes: the ranks walk the same sequence of chunks (the
 export's plan does not depend on the rank), and for each one its owner reads it and sends it
 to rank 0 -- one chunk in flight, not the whole model. Each chunk first passes a small
@@ -12,46 +12,41 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.ranks import PeerFailed, Ranks, peer_error, report
+from ..checkpoint.ranks import PeerFailed, Ranks, peer_error, report
+from ..chunks.access import ChunkAccess
+from ..errors import StateError
 
 
 class ChunkSource:
     """``read(c)``: chunk ``c`` of kind ``source`` (a frozen chunk's parameters when it has no
     master) as a CPU tensor, on rank 0; None on the other ranks, which only serve their chunks."""
 
-    def __init__(self, engine, source: str):
-        self.engine = engine
+    def __init__(self, chunks: ChunkAccess, source: str):
+        self.chunks = chunks
+        self.info = chunks.chunks()
         self.source = source
-        self.ranks = Ranks.of(engine)
-        store = engine.store
-        if self.ranks.sharded:
-            # Any rank may lack records of a kind (it keeps no trainable chunk): size by the layout.
-            itemsize = max(engine.params.dtype.itemsize, 4 if source == "master" else 0)
-            nbytes = engine.layout.largest_chunk * itemsize
-        else:
-            nbytes = max(store.largest_bytes(source), store.largest_bytes("param"))
-        self.staging = store.staging_buffers(nbytes, count=1)[0]
-        self.failed: BaseException | None = None
+        self.ranks = Ranks(chunks.sharding)
+        # The same size on every rank (rank 0 receives what the others read).
+        nbytes = max((i.nbytes(self.kind(i.index)) for i in self.info), default=0)
+        self.staging = chunks.staging(nbytes)[0]
 
     def kind(self, c: int) -> str:
-        if not self.ranks.sharded:
-            return self.source if (self.source, c) in self.engine.store.records else "param"
-        return self.engine.params.master_kind(c) if self.source == "master" else "param"
+        return self.source if self.source in self.info[c].kinds else "param"
 
     def read(self, c: int) -> torch.Tensor | None:
-        key = (self.kind(c), c)
+        kind = self.kind(c)
         if not self.ranks.sharded:
-            return self.engine.store.read_into(key, self.staging)
-        owner = c % self.ranks.world
+            return self._read(kind, c)
+        owner = self.info[c].owner
         data, error = None, None
         if self.ranks.rank == owner:
             try:
-                data = self.engine.store.read_into(key, self.staging)
+                data = self._read(kind, c)
             except Exception as exc:
                 error = exc
-        self._agree(error, f"exporting chunk {key[0]}[{c}] (owner rank {owner})")
-        dtype = torch.float32 if key[0] == "master" else self.engine.params.dtype
-        numel = self.engine.layout.chunk_numel(c)
+        self._agree(error, f"exporting chunk {kind}[{c}] (owner rank {owner})")
+        dtype = self.info[c].kinds[kind]
+        numel = self.info[c].numel
         if owner == 0:
             return data if self.ranks.lead else None
         if self.ranks.rank == owner:
@@ -63,9 +58,9 @@ class ChunkSource:
             return buf.view(dtype)
         return None
 
-    def follow(self, chunks: list[int]) -> None:
-        """A rank other than 0: serve ``chunks`` (the order rank 0 reads them), then ``finish``."""
-        for c in chunks:
+    def follow(self, order: list[int]) -> None:
+        """A rank other than 0: serve the chunks of ``order`` (the order rank 0 reads them), then ``finish``."""
+        for c in order:
             self.read(c)
         self.finish()
 
@@ -79,6 +74,12 @@ class ChunkSource:
         """The last step every rank takes: rank 0's files are complete (or it failed)."""
         if self.ranks.sharded:
             self._agree(None, "writing the export")
+
+    def _read(self, kind: str, c: int) -> torch.Tensor:
+        values = self.chunks.read(kind, c, self.staging)
+        if values is None:
+            raise StateError(f"chunk {(kind, c)} holds no data")
+        return values
 
     def _agree(self, error: BaseException | None, what: str) -> None:
         import torch.distributed as dist
@@ -100,7 +101,7 @@ class ChunkSource:
 
 def _device(group):
     """The device a collective of ``group`` needs its tensors on (None: the CPU, as for gloo)."""
-    from .distributed.comms import collective_device
+    from ..distributed.comms import collective_device
 
     device = collective_device(group)
     return None if device.type == "cpu" else device

@@ -1,0 +1,158 @@
+"""The chunk interface: what code outside the engine may know of a wrapped model's chunks.
+
+Checkpoints, Hugging Face loads and exports, ``state_dict()``, LoRA adapters and the benchmarks
+all go through ``engine.chunks`` (a ``ChunkAccess``), never through the engine's store, layout,
+parameters or optimizer worker. It answers four questions:
+
+* **Which chunks are there?** ``chunks()`` lists every chunk with its metadata (``ChunkInfo``:
+  size, the kinds of state it has and their dtypes, its parameters, which rank keeps it);
+  ``layout`` is the immutable geometry (bulk chunk size, every parameter's ``ParamSlot``);
+  ``param(p)`` places one parameter. None of this depends on the world size.
+* **What values does a chunk hold?** ``read(kind, c)`` copies chunk ``c``'s ``kind`` state from
+  whichever tier holds it (device, pinned CPU or NVMe) into a CPU buffer; ``write(kind, c, values)``
+  replaces it. ``gather`` / ``scatter`` do the same per parameter, reading each chunk once.
+* **Is anything still in flight?** ``drain()`` finishes queued Adam updates (and, on request, moves
+  between tiers) before values are read or overwritten.
+* **Where is the training?** ``step_state()`` / ``restore_step_state()``: per-parameter Adam step
+  counts, the optimizer step count and the fp16 loss scaler, which a checkpoint saves with the chunks.
+
+Units: ``numel``, ``used`` and offsets are elements; ``nbytes`` and staging sizes are bytes. A
+chunk's kinds are ``"param"`` (compute dtype) and, for a trainable chunk, ``"master"`` (fp32,
+only when the compute dtype is not fp32), ``"exp_avg"`` and ``"exp_avg_sq"`` (fp32); gradients
+are transient and not part of this interface.
+
+Under data parallelism (``sharding`` set) a chunk's state lives on its owner only
+(``offload.distributed.sharding``): ``read``/``write`` act on the chunks this rank keeps, and
+``gather`` is a collective every rank calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
+
+import torch
+
+from .layout import ChunkLayout, ParamSlot
+
+if TYPE_CHECKING:
+    from ..distributed.sharding import Sharding
+    from ..tiers import NvmeTier
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """One chunk, the same on every rank."""
+
+    index: int
+    numel: int
+    """elements of storage in every kind (the bulk chunk size, or an oversized parameter's own)."""
+    used: int
+    """elements up to the end of its last parameter (the rest is zero padding)."""
+    trainable: bool
+    """it holds trainable parameters (a frozen chunk has ``"param"`` state only)."""
+    kinds: Mapping[str, torch.dtype]
+    """the persistent kinds of state it has on its owner, with their dtypes."""
+    params: tuple[ParamSlot, ...]
+    """its parameters, in layout order (name, offset, numel, shape)."""
+    owner: int
+    """the rank that keeps its state (0 in a single process)."""
+    kept: bool
+    """this rank keeps its state (always, in a single process)."""
+
+    def nbytes(self, kind: str) -> int:
+        """Bytes of its ``kind`` state."""
+        return self.numel * self.kinds[kind].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """Where one parameter lives."""
+
+    index: int
+    """its position in layout order (``layout.slots``): the index of its Adam step count."""
+    slot: ParamSlot
+
+    @property
+    def name(self) -> str:
+        return self.slot.name
+
+
+@dataclass(frozen=True, slots=True)
+class StepState:
+    """Where the training is, apart from the chunks' values."""
+
+    adam_steps: tuple[int, ...]
+    """Adam steps taken per parameter, in layout order (torch's per-parameter ``step``)."""
+    step_count: int
+    """optimizer steps applied to the model."""
+    scaler: dict | None
+    """the fp16 loss scaler (``scale``, ``good_steps``, ``skipped``); None under bf16 / fp32."""
+    window_open: bool
+    """backward ran since the last ``optimizer.step()`` (gradients are waiting)."""
+    window_updated: bool
+    """some chunk's update of this window already ran, during backward (a global norm found now
+    comes too late for it)."""
+
+
+class ChunkAccess(Protocol):
+    """A wrapped model's chunks, as code outside the engine sees them (see the module docstring)."""
+
+    @property
+    def layout(self) -> ChunkLayout:
+        """The immutable geometry: ``chunk_size`` and every parameter's ``ParamSlot`` in layout order."""
+
+    @property
+    def kinds(self) -> Mapping[str, torch.dtype]:
+        """The persistent kinds any chunk has, with their dtypes: ``kinds["param"]`` is the compute
+        dtype; ``"master"`` is there when some chunk is trainable and compute is not fp32."""
+
+    @property
+    def sharding(self) -> "Sharding | None":
+        """This rank's place among the data-parallel ranks (None in a single process)."""
+
+    def chunks(self, *, kept_only: bool = False) -> Sequence[ChunkInfo]:
+        """Every chunk, in index order (``chunks()[c]`` is chunk ``c``); ``kept_only``: those this
+        rank keeps."""
+
+    def param(self, p: torch.Tensor) -> ParamInfo | None:
+        """Where parameter ``p`` lives; None when this engine does not hold it."""
+
+    def read(self, kind: str, c: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Chunk ``c``'s ``kind`` state as a 1-D CPU tensor of its ``numel`` elements (its dtype),
+        copied from whichever tier holds it; None when the chunk has no such state here or holds
+        nothing yet (Adam moments before the first step). ``out``: a buffer from ``staging`` to
+        copy into (the result is a view of it); None: a fresh one."""
+
+    def write(self, kind: str, c: int, values: torch.Tensor | None) -> None:
+        """Replace chunk ``c``'s ``kind`` state with ``values`` (``numel`` elements, converted to the
+        kind's dtype); None empties it (it then holds nothing, as before a first step)."""
+
+    def staging(self, nbytes: int, count: int = 1) -> list[torch.Tensor]:
+        """``count`` reusable CPU buffers of ``nbytes`` bytes for ``read`` (page-aligned when chunks
+        may be read straight from NVMe), touched now so their first use costs no page faults."""
+
+    def gather(self, params: Iterable[torch.Tensor] | None = None, kind: str | None = None) -> dict[int, torch.Tensor]:
+        """``{id(param): value}`` of ``params`` (default: all) from their ``kind`` chunks (default:
+        the most precise values, as fp32), each chunk read once; zeros where a chunk has no such
+        state. Under several ranks a collective: every rank calls it alike and gets every value."""
+
+    def scatter(self, values: dict[int, torch.Tensor], kinds: Iterable[str] | None = None) -> None:
+        """Write ``{id(param): value}`` into the chunks of ``kinds`` (default: ``"param"`` and
+        ``"master"``), each chunk read and written once; a rank writes the chunks it keeps."""
+
+    def drain(self, *, moves: bool = False) -> None:
+        """Finish the queued Adam updates (re-raising the worker's error); ``moves``: also wait for
+        every move between tiers under way (write-backs included)."""
+
+    def step_state(self) -> StepState:
+        """The training's counters now."""
+
+    def restore_step_state(self, *, adam_steps: Iterable[int] | None = None, step_count: int | None = None,
+                           scaler: dict | None = None) -> None:
+        """Set the counters given (a checkpoint's, an optimizer ``state_dict``'s); ``scaler`` is
+        ignored without an fp16 loss scaler."""
+
+    def nvme(self) -> "NvmeTier | None":
+        """The NVMe tier holding the swap files (None without ``nvme_paths``): for I/O benchmarks."""
+
