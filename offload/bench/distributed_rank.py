@@ -69,8 +69,7 @@ def _sample(kind: str, model, opt, ids, device: str, counter: CollectiveCounter,
             opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     if kind == "ours":
-        model.offload_engine.adam.drain()
-        model.offload_engine.store.wait_idle()
+        model.offload_engine.chunks.drain(moves=True)
     sync(device)
     seconds = (time.perf_counter() - t0 - off_clock) / n
     phases.mark("step")

@@ -114,7 +114,7 @@ def _replay_one_sample(model, opt, ids, device: str, repeats: int, quiet: bool) 
     The replay writes into the engine's swap files: call it only right before closing it."""
     from .replay import replay
 
-    tier = model.offload_engine.store.tiers.get("nvme")
+    tier = model.offload_engine.chunks.nvme()
     if tier is None:
         return None, 0
     tier.recording = []

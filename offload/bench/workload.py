@@ -71,7 +71,6 @@ def offload_steps(model, opt, ids, device: str, n: int = STEPS_PER_SAMPLE) -> fl
         loss.backward()
         opt.step()
         opt.zero_grad()
-    model.offload_engine.adam.drain()
-    model.offload_engine.store.wait_idle()
+    model.offload_engine.chunks.drain(moves=True)
     sync(device)
     return (time.perf_counter() - t0) / n

@@ -119,15 +119,10 @@ def test_engine_of_finds_a_models_or_parameters_engine():
         engine_of(model, required=True)
 
 
-# Converted after the benchmarks are split (offload/bench/ is being reorganized separately).
-NOT_YET = {"offload/bench/step.py", "offload/bench/distributed.py"}
-
-
 def test_nothing_outside_the_engine_reaches_into_its_internals():
     out = subprocess.run(["grep", "-rnE", r"engine\.(params|store|layout|adam|dp)\b", "offload"],
                          cwd=ROOT, capture_output=True, text=True).stdout
-    uses = [line for line in out.splitlines()
-            if not line.startswith("offload/engine/") and line.split(":")[0] not in NOT_YET]
+    uses = [line for line in out.splitlines() if not line.startswith("offload/engine/")]
     assert uses == []
     private = subprocess.run(["grep", "-rnE", r"engine\._[a-z]", "offload"], cwd=ROOT, capture_output=True,
                              text=True).stdout
