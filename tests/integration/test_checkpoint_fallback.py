@@ -19,9 +19,9 @@ import offload
 from offload.checkpoint import CheckpointSkipped, verify_checkpoint
 from offload.cli import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
+from tests.helpers.tiny_gpt import TinyGPT, batches
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 

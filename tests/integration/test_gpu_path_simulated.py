@@ -1,5 +1,5 @@
 """The GPU path's ordering, exercised on the CPU: copies between the device and CPU tiers run
-asynchronously on simulated copy streams (``tests/sim_streams.py``: a thread per direction, each
+asynchronously on simulated copy streams (``tests/helpers/sim_streams.py``: a thread per direction, each
 copy delayed), in the three-tier layout a GPU run uses (device, pinned CPU, NVMe). Any read of a
 buffer before its copy landed, or reuse of a buffer a copy still reads, changes the numbers;
 training must still equal plain PyTorch, and finished copies must be reaped (their chunks count
@@ -8,20 +8,17 @@ as present and become evictable)."""
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import GatedStreams, SimStreams  # noqa: E402
-from test_engine_equivalence import Reference, make_models, small_config  # noqa: E402
-from tiny_gpt import batches  # noqa: E402
+from tests.helpers.reference import LR, WD, Reference, make_models, small_config
+from tests.helpers.sim_streams import GatedStreams, SimStreams
+from tests.helpers.tiny_gpt import batches
 
-LR, WD = 1e-2, 0.1
+pytestmark = pytest.mark.slow
 
 
 def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1, lag=None):
