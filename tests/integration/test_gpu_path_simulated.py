@@ -7,8 +7,6 @@ as present and become evictable)."""
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 
@@ -66,15 +64,14 @@ def test_finished_copies_are_reaped_and_count_as_hits(disk_tmp):
     absent): on a repeating trace nearly every chunk a module needs is already there."""
     _, mine = make_models()
     cfg = small_config(disk_tmp, merge_host_tiers=False, device_budget="384KiB", cpu_budget="768KiB")
-    # A bus fast enough for this model's compute: a late prefetch is a true miss.
-    model, streams, _, stats = train_simulated(mine, cfg, 10, delay_s=0.0001)
+    # A GPU that keeps up (one copy behind the host, whatever the clock): a late prefetch is a true miss.
+    model, streams, _, stats = train_simulated(mine, cfg, 10, lag=1)
     try:
         store = model.offload_engine.store
         hit_rates = [s["prefetch_hit_rate"] for s in stats[3:]]
-        assert statistics.median(hit_rates) > 0.9, hit_rates
+        assert min(hit_rates) > 0.9, hit_rates
         model.offload_engine.adam.drain()
-        store.wait_idle()
-        assert not store._in_flight
+        store.wait_idle()           # every copy in flight finishes: none is left waiting for a fence
     finally:
         model.offload_engine.close()
         streams.close()
