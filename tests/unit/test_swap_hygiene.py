@@ -110,9 +110,8 @@ HOLDER = textwrap.dedent("""
 
 
 def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+    """A pid no process has: above the kernel's ``pid_max``, which no pid reaches."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
 @pytest.mark.slow
