@@ -16,7 +16,6 @@ failure, never a stuck suite).
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import socket
 import subprocess

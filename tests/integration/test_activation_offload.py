@@ -17,10 +17,9 @@ import torch
 
 import offload
 from offload.models.llama import LlamaConfig, LlamaForCausalLM
-
 from tests.helpers.sim_streams import SimStreams
 from tests.helpers.trajectory import (assert_losses_within_drift, assert_within_drift, float64_twin,
-                        train_in_lockstep)
+                                      train_in_lockstep)
 
 pytestmark = pytest.mark.slow
 LLAMA = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from hypothesis import strategies as st
 import offload
 from offload.checkpoint import CheckpointSkipped, verify_checkpoint
 from offload.cli import main
-
 from tests.helpers.tiny_gpt import TinyGPT, batches
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 from offload.models.llama import LlamaForCausalLM, get_preset
-
 from tests.helpers.tiny_gpt import TinyGPT, batches
 from tests.helpers.trajectory import assert_run_within_drift, float64_twin
 

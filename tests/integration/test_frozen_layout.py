@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import offload
-
 from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
 transformers = pytest.importorskip("transformers")

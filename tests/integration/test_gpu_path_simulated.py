@@ -8,10 +8,8 @@ as present and become evictable)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import offload
-
 from tests.helpers.reference import LR, WD, Reference, make_models, small_config
 from tests.helpers.sim_streams import GatedStreams, SimStreams
 from tests.helpers.tiny_gpt import batches

@@ -13,7 +13,6 @@ from torch import nn
 
 import offload
 from offload import ConfigError, OffloadError
-
 from tests.helpers.tiny_gpt import TinyGPT, batches
 from tests.helpers.trajectory import assert_run_within_drift, assert_within_drift, drift, float64_twin
 

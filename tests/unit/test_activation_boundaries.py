@@ -21,7 +21,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-
 from tests.helpers.hf_models import tiny_llama
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 32, 16, 3, 2, 8, 2

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from offload.activations import ActivationArea, ActivationStore, SpillSpace, offloadable
 from offload.aio import AsyncIO
 from offload.config import AioConfig
-
 from tests.helpers.sim_streams import SimStreams
 
 CPU = torch.device("cpu")

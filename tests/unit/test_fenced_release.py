@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from offload.chunks import ChunkStore
 from offload.scheduler import LRUPolicy
 from offload.tiers import MemoryTier
-
 from tests.helpers.sim_streams import GatedStreams
 
 KIB = 1024

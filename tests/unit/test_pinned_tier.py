@@ -15,7 +15,6 @@ import torch
 import offload
 from offload.aio.pinning import MlockPinner
 from offload.tiers import MemoryTier
-
 from tests.helpers.tiny_gpt import TinyGPT, batches
 
 PAGE = 4096

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from offload.optim import CPUAdamW
-
 from tests.helpers.tiny_gpt import TinyGPT, batches
 from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
