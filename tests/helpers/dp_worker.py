@@ -122,4 +122,3 @@ def main(spec: dict) -> None:
                f"{spec['out']}.rank{rank}.pt")
     model.offload_engine.close()
     dist.destroy_process_group()
-
