@@ -1,6 +1,7 @@
 # The README's two commands: `make finetune` and `make test`. Both install whatever is
 # missing first (libaio-dev via apt when root, torch 2.13.0, this package editable with
-# its extras) and are safe to run again.
+# its extras) and are safe to run again. `make test-fast` is the inner loop: the unit tests
+# without the slow ones (no second process, no end-to-end run) and the GPU ones.
 
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -12,7 +13,7 @@ FINETUNE_ARGS ?= --preset tiny --steps 50 --device-budget 6M --cpu-budget 8M \
 PYTEST_ARGS ?=
 NATIVE_SOURCES := $(wildcard native/*.c native/*.h) offload/_build_native.py setup.py pyproject.toml
 
-.PHONY: install system-deps torch finetune test bench clean
+.PHONY: install system-deps torch finetune test test-fast bench clean
 
 install: system-deps torch .install-stamp
 
@@ -46,6 +47,9 @@ finetune: install
 
 test: install
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow and not gpu" tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info offload/_native*.so offload/_native.c .install-stamp .torch-constraint.txt $(NVME_DIR)

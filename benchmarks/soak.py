@@ -3,6 +3,7 @@ bit-identical to a run nobody interrupted; then a long run with RSS, descriptors
 watched.
 
     python benchmarks/soak.py [--kills 5] [--steps 40] [--leak-steps 500] [--work DIR] [--json FILE]
+                              [--reference DIR]
 
 Kill-and-resume: ``scripts/finetune_100b.py --preset tiny`` (small batch, tight budgets, so the
 optimizer state lives on the NVMe tier) runs with a checkpoint after every step. The driver waits
@@ -19,6 +20,8 @@ memory, open descriptors, swap files held open (and their bytes) and names in th
 
 Everything runs with ``OMP_NUM_THREADS=1``: deterministic CPU kernels, and on a 2-core box
 torch's own threads otherwise fight the engine's I/O and Adam threads (steps run ~30x slower).
+How a run is started, logged and compared is shared with the script's tests:
+tests/helpers/finetune_runs.py.
 """
 
 from __future__ import annotations
@@ -38,73 +41,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "finetune_100b.py"
-# Small enough that every step is quick; budgets below the model's state, so chunks spill to NVMe.
-TRAIN_ARGS = ["--preset", "tiny", "--dtype", "fp32", "--batch-tokens", "64", "--seq-len", "32",
-              "--device-budget", "6M", "--cpu-budget", "6M", "--no-plan", "--seed", "0"]
-COMPARED = ("param.bin", "master.bin", "exp_avg.bin", "exp_avg_sq.bin")
-
-
-def env() -> dict:
-    e = dict(os.environ)
-    e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
-def command(steps: int, nvme: Path, ckpt: Path, log: Path, *, resume: bool, extra: list[str] = ()) -> list[str]:
-    cmd = [sys.executable, str(SCRIPT), *TRAIN_ARGS, "--steps", str(steps), "--nvme-path", str(nvme),
-           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep-checkpoints", "2",
-           "--json-log", str(log), *extra]
-    return cmd + (["--resume"] if resume else [])
-
-
-def logged_steps(log: Path) -> list[dict]:
-    """Steps logged so far (a line cut short by a kill is left out)."""
-    try:
-        lines = log.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def run_to_end(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return done
-
-
-def final_checkpoint(ckpt: Path) -> Path:
-    from offload.checkpoint import resolve_checkpoint
-
-    return resolve_checkpoint(ckpt)
-
-
-def compare(a: Path, b: Path) -> list[str]:
-    """Differences between two checkpoints' state (chunk files byte for byte, step counts)."""
-    diffs = []
-    for name in COMPARED:
-        fa, fb = a / name, b / name
-        if fa.exists() != fb.exists():
-            diffs.append(f"{name}: in one checkpoint only")
-        elif fa.exists() and fa.read_bytes() != fb.read_bytes():
-            diffs.append(f"{name}: bytes differ")
-    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (a, b))
-    for key in ("step", "engine_step_count", "adam_steps", "layout"):
-        if ma[key] != mb[key]:
-            diffs.append(f"manifest {key}: {ma[key]!r:.60} vs {mb[key]!r:.60}")
-    for kind in ma["kinds"]:
-        crcs = [[e and e.get(ma["checksum"]) for e in m["kinds"][kind]["chunks"]] for m in (ma, mb)]
-        if crcs[0] != crcs[1]:
-            diffs.append(f"{kind}: chunk checksums differ")
-    return diffs
+sys.path.insert(0, str(ROOT))       # run as a script: the repository root, for tests.helpers
+from tests.helpers.finetune_runs import (SCRIPT, TRAIN_ARGS, command, compare, env,  # noqa: E402
+                                         final_checkpoint, logged_steps, run_to_end)
 
 
 def nvme_names(nvme: Path) -> list[str]:
@@ -303,11 +242,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.add_argument("--work", help="scratch directory on a real disk (default: a temp dir, removed)")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--reference", help="work directory of an uninterrupted run of --steps steps already made "
+                                       "(nvme, ckpt, log.jsonl inside; default: one is made first)")
     args = p.parse_args(argv)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="offload-soak-", dir=ROOT))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        report = {"kill_and_resume": kill_and_resume(work, args.steps, args.kills, args.seed)}
+        reference = Path(args.reference) if args.reference else None
+        report = {"kill_and_resume": kill_and_resume(work, args.steps, args.kills, args.seed, reference=reference)}
         if args.leak_steps:
             report["leak"] = leak_check(work, args.leak_steps)
     finally:

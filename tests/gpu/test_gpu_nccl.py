@@ -10,25 +10,19 @@ it does not and the engine has to move it there (saying so).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(TESTS / "integration"))
-from dp_launch import launch  # noqa: E402
-from test_distributed_engine import mean_losses  # noqa: E402
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
+from tests.helpers.ranks import launch
+from tests.helpers.reference import mean_losses
+from tests.helpers.tiny_gpt import TinyGPT, batches
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA devices")]
 
-WORKER = TESTS / "dp_worker.py"
+WORKER = "tests.helpers.dp_worker:main"
 LR, WD = 1e-2, 0.1          # dp_worker's
 STEPS = 8
 
@@ -44,7 +38,7 @@ def exact_fp32():
 
 def reference(steps: int) -> list[tuple[list[float], dict]]:
     """Plain PyTorch on one GPU and the whole global batch, in fp32 and in float64 (the exact run,
-    tests/trajectory.py): each run's losses and final state (on the CPU)."""
+    tests/helpers/trajectory.py): each run's losses and final state (on the CPU)."""
     torch.manual_seed(0)            # dp_worker's seed: the same initial values
     model = TinyGPT(checkpointing=True)
     runs = []

@@ -11,7 +11,7 @@ safetensors round trips with chunks resident on the GPU. ``test_sanitizer_run`` 
 runs under ``TORCH_CUDA_SANITIZER=1`` (stream-ordering races raise there), the engine's threads and
 activation offload included (see conftest.py for what the sanitizer sees).
 
-fp32 runs are judged as on the CPU (tests/trajectory.py): as close to the same run in float64 as
+fp32 runs are judged as on the CPU (tests/helpers/trajectory.py): as close to the same run in float64 as
 plain PyTorch's fp32 run on the same card is.
 """
 
@@ -28,11 +28,10 @@ import pytest
 import torch
 
 import offload
+from tests.helpers.tiny_gpt import TinyGPT, batches
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -396,8 +395,11 @@ def test_round_trips_with_device_resident_chunks(disk_tmp):
     got = other.state_dict()
     assert all(torch.equal(got[k].cpu(), v.cpu()) for k, v in sd.items())
     ostate = oopt.state_dict()["state"]
+    assert ostate.keys() == osd["state"].keys()
     for i, s in osd["state"].items():
-        assert torch.equal(ostate[i]["exp_avg"].cpu(), s["exp_avg"].cpu())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ostate[i][key].cpu(), s[key].cpu()), (i, key)
+        assert float(ostate[i]["step"]) == float(s["step"]) == 3, i
 
     torch.manual_seed(2)
     third = offload.wrap(LlamaForCausalLM(cfg), offload.OffloadConfig(device=CUDA, dtype="bf16",

@@ -1,26 +1,23 @@
 """A wrapped model with ``offload.AdamW`` in a plain ``accelerate`` loop (``prepare``,
 ``accelerator.backward``, ``accelerator.clip_grad_norm_``) trains as the same loop with a plain
 model and ``torch.optim.AdamW`` (fp32, NVMe forced), with and without clipping: losses, gradient
-norms and final weights as close to the same loop's float64 run as plain PyTorch's (tests/trajectory.py)."""
+norms and final weights as close to the same loop's float64 run as plain PyTorch's (tests/helpers/trajectory.py)."""
 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
+from tests.helpers.hf_models import tiny_llama
+from tests.helpers.trajectory import assert_run_within_drift, drift, float64_twin
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import tiny_llama  # noqa: E402
-from trajectory import assert_run_within_drift, drift, float64_twin  # noqa: E402
-
+pytestmark = pytest.mark.slow
 STEPS = 5
 
 
@@ -45,7 +42,6 @@ def train(model, optimizer, clip):
     return losses, norms
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("clip", [0.5, None])
 def test_accelerate_loop_matches_torch(disk_tmp, clip):
     ref = tiny_llama()

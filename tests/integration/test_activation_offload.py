@@ -9,7 +9,6 @@ the same engine with ``activation_offload="none"`` exactly, and one run against 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -18,12 +17,11 @@ import torch
 
 import offload
 from offload.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.helpers.sim_streams import SimStreams
+from tests.helpers.trajectory import (assert_losses_within_drift, assert_within_drift, float64_twin,
+                                      train_in_lockstep)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import SimStreams  # noqa: E402
-from trajectory import (assert_losses_within_drift, assert_within_drift, float64_twin,  # noqa: E402
-                        train_in_lockstep)
-
+pytestmark = pytest.mark.slow
 LLAMA = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                     num_kv_heads=2, max_seq_len=32)
 BATCH, SEQ, STEPS, LR = 2, 16, 2, 1e-2

@@ -16,7 +16,7 @@ import torch
 from offload import AioConfig, ChecksumError, NvmeIOError, native
 from offload.aio import AsyncIO, StripedFile, aligned_empty
 
-pytestmark = pytest.mark.nvme
+pytestmark = [pytest.mark.nvme, pytest.mark.slow]
 HAVE_LIBAIO = native.libaio_linked()
 needs_libaio = pytest.mark.skipif(not HAVE_LIBAIO, reason="offload._native built without libaio")
 BACKENDS = [pytest.param("libaio", marks=needs_libaio), "threads"]

@@ -3,31 +3,23 @@ one short run of the command (ours at N=1 and N=2, FSDP2 at N=2) with its figure
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.bench import distributed as bench_dp
 from offload.bench.collectives import CollectiveCounter, zero3_bytes
 from offload.models import llama
+from tests.helpers.ranks import launch
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_rank_worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def counted_collectives(spec) -> dict:
+    """One rank (tests/helpers/ranks.py): a few collectives under the counter; its snapshot."""
+    dist.init_process_group("gloo")     # rank, world and rendezvous from the launcher's variables
     try:
         with CollectiveCounter() as c:
             piece = torch.ones(1000, dtype=torch.bfloat16)                # 2000 B per rank
@@ -39,16 +31,15 @@ def _two_rank_worker(rank, port, results):
                                            torch.ones(2000, dtype=torch.bfloat16))
             dist.all_reduce(torch.ones(500))                               # 2000 B
             dist.broadcast(torch.ones(250), src=1)                         # 1000 B from rank 1
-        results[rank] = c.snapshot()
+        return c.snapshot()
     finally:
         dist.destroy_process_group()
 
 
-def test_counter_in_a_real_group_of_two():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_two_rank_worker, args=(_free_port(), results), nprocs=2, join=True)
-        results = dict(results)
+def test_counter_in_a_real_group_of_two(tmp_path):
+    ranks = launch(f"{__name__}:counted_collectives", None, 2, tmp_path, timeout_s=120)
+    assert [r.returncode for r in ranks] == [0, 0], [r.output[-2000:] for r in ranks]
+    results = [r.value for r in ranks]
     for rank in (0, 1):
         s = results[rank]
         assert s["by_op"]["all_gather"] == 2000 and s["by_op"]["reduce_scatter"] == 2000

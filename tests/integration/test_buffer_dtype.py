@@ -13,6 +13,7 @@ import offload
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow
 SEQ = 512
 
 
@@ -36,7 +37,6 @@ def bf16_params_fp32_buffers(model):
     return model
 
 
-@pytest.mark.slow
 def test_bf16_run_keeps_fp32_rope_buffers(disk_tmp):
     base = long_context_llama()
     reference = bf16_params_fp32_buffers(copy.deepcopy(base))

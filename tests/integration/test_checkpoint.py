@@ -13,19 +13,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
 from offload.checkpoint import list_checkpoints
+from tests.helpers.processes import python_env
+from tests.helpers.reference import LR, WD
+from tests.helpers.tiny_gpt import TinyGPT, batches
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-LR, WD = 1e-2, 0.1
+pytestmark = pytest.mark.slow
 
 
 def config(path, dtype="fp32", **kw) -> offload.OffloadConfig:
@@ -179,10 +177,9 @@ def test_layout_mismatch_names_the_parameter(disk_tmp):
 
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, sys.argv[3])
     import torch, offload, offload.checkpoint as ck, offload.checkpoint.files as ckfiles
-    from tiny_gpt import TinyGPT, batches
-    nvme, ckpt, dtype = sys.argv[1], sys.argv[2], sys.argv[4]
+    from tests.helpers.tiny_gpt import TinyGPT, batches
+    nvme, ckpt, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), offload.OffloadConfig(device="cpu", dtype=dtype, device_budget="192KiB",
                          cpu_budget="256KiB", nvme_paths=[nvme], chunk_size=8192))
@@ -199,7 +196,7 @@ KILL_SCRIPT = textwrap.dedent("""
     def paused(writer, data):
         slow(writer, data)
         print("PAUSED", flush=True)
-        time.sleep(60)
+        time.sleep(3600)                    # until the kill
     ckfiles.write_chunk = paused
     ck.save_checkpoint(model, opt, ckpt, step=3, extra={"pos": 3})
     print("B", flush=True)
@@ -209,8 +206,8 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_kill_during_save_keeps_previous_checkpoint(disk_tmp):
     nvme, ckpt = disk_tmp / "nvme", disk_tmp / "ckpt"
     nvme.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(nvme), str(ckpt), str(ROOT / "tests"), "bf16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(nvme), str(ckpt), "bf16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
     try:
         lines = []
         deadline = time.monotonic() + 60

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,10 +17,9 @@ from hypothesis import strategies as st
 import offload
 from offload.checkpoint import CheckpointSkipped, verify_checkpoint
 from offload.cli import main
+from tests.helpers.tiny_gpt import TinyGPT, batches
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -9,9 +9,9 @@ rank skip that checkpoint (or raise, when it is the only one) without a hang; a 
 one rank writes makes every rank raise and leaves the previous checkpoint current; the
 safetensors export under 2 ranks equals the single process's.
 
-Ranks are spawned processes (``spawn`` context) on CPU with NVMe swap forced (small budgets,
-``nvme_paths`` per rank); each writes its result to a file and the test waits at most
-``TIMEOUT`` seconds, so a hang fails the test instead of stalling the suite.
+Ranks are processes started by tests/helpers/ranks.py on CPU with NVMe swap forced (small budgets,
+``nvme_paths`` per rank); each returns its result and the test waits at most ``TIMEOUT`` seconds,
+so a hang fails the test instead of stalling the suite.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -28,14 +27,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import offload
 import offload.checkpoint
 import offload.checkpoint.format
+from tests.helpers.processes import python_env
+from tests.helpers.ranks import launch
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 110            # seconds for all ranks of one run
 GLOBAL_BATCH = 12        # divisible by 1, 2 and 3 ranks
 K, M = 3, 3              # steps before the checkpoint, after it
@@ -165,12 +164,9 @@ def scenario_export(tmp, rank, world, args):
 def scenario_hf_export(tmp, rank, world, args):
     """A tiny Llama (tied embeddings) in bf16 written as an HF directory, in bf16 and in fp32 (from the
     fp32 masters). Untrained: the values do not depend on the world size, so files compare exactly."""
-    import sys
-
     from offload.hf import export_pretrained
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hf_models import tiny_llama
+    from tests.helpers.hf_models import tiny_llama
 
     cfg = dataclasses.replace(config(tmp, "bf16"), device_budget="256KiB", cpu_budget="256KiB", chunk_size=4096)
     model = offload.wrap(tiny_llama(), cfg)
@@ -184,56 +180,37 @@ SCENARIOS = {f.__name__[len("scenario_"):]: f for f in
              (scenario_train_and_save, scenario_resume, scenario_reload, scenario_failing_save, scenario_export, scenario_hf_export)}
 
 
-def _worker(rank: int, world: int, port: int, name: str, tmp: str, args: dict) -> None:
+def scenario_rank(spec: dict) -> dict:
+    """One rank of scenario ``spec["name"]`` (tests/helpers/ranks.py runs it): its result, or the
+    error it ended with (reported to the test, not swallowed)."""
     import torch.distributed as dist
 
-    tmp = Path(tmp)
-    out = tmp / f"result-{name}-{world}-{rank}.pt"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         if world > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=TIMEOUT // 2))
-        result = {"ok": SCENARIOS[name](tmp, rank, world, args)}
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT // 2))
+        return {"ok": SCENARIOS[spec["name"]](Path(spec["tmp"]), rank, world, spec["args"])}
     except BaseException as exc:      # noqa: BLE001 - reported to the test, not swallowed
-        result = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
-                  "traceback": traceback.format_exc()}
-    torch.save(result, out)
-    if world > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                "traceback": traceback.format_exc()}
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(name: str, tmp: Path, world: int, **args) -> list[dict]:
-    """Run scenario ``name`` on ``world`` spawned ranks (one process without a process group
-    when ``world`` is 1); each rank's result dict, in rank order. Fails on a hang."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, name, str(tmp), args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT)
-    for p in procs:
-        p.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join()
+    """Run scenario ``name`` on ``world`` ranks (one process without a process group when
+    ``world`` is 1); each rank's result dict, in rank order. Fails on a hang."""
+    ranks = launch(f"{__name__}:scenario_rank", {"name": name, "tmp": str(tmp), "args": args}, world, tmp,
+                   timeout_s=TIMEOUT)
+    hung = [r.rank for r in ranks if r.returncode is None]
     if hung:
         pytest.fail(f"scenario {name} at {world} ranks: ranks {hung} still running after {TIMEOUT} s (a hang)")
-    results = []
-    for r in range(world):
-        path = tmp / f"result-{name}-{world}-{r}.pt"
-        if not path.exists():
-            pytest.fail(f"scenario {name} at {world} ranks: rank {r} exited ({procs[r].exitcode}) with no result")
-        results.append(torch.load(path, weights_only=False))
-        path.unlink()
-    return results
+    for r in ranks:
+        if r.value is None:
+            pytest.fail(f"scenario {name} at {world} ranks: rank {r.rank} exited ({r.returncode}) with no result:\n"
+                        f"{r.output[-3000:]}")
+    return [r.value for r in ranks]
 
 
 def ok(results: list[dict]) -> list[dict]:
@@ -290,7 +267,7 @@ def test_two_ranks_save_one_sharded_checkpoint(saved):
     assert verdict.files == 2 * len(manifest["kinds"]) and verdict.world == 2
     assert verdict.chunks == sum(e is not None for info in manifest["kinds"].values() for e in info["chunks"])
     cli = subprocess.run([sys.executable, "-m", "offload", "checkpoint", "verify", str(tmp / "ckpt")],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         capture_output=True, text=True, env=python_env())
     assert cli.returncode == 0, cli.stderr
     assert f"ok       {ckpt.name}" in cli.stdout and "of 2 ranks" in cli.stdout
 

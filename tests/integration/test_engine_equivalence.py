@@ -4,7 +4,7 @@ Budgets are small enough that every chunk passes through every tier: on this CPU
 device and CPU budgets are one host-memory tier (the default) plus NVMe in a temp dir, and with
 ``merge_host_tiers=False`` three tiers (a CPU region standing in for the device, CPU, NVMe) with
 the copies between them a GPU run makes. Tolerances: fp32 losses and final parameters as close to
-the same run in float64 as plain PyTorch's fp32 run is (tests/trajectory.py: no fixed tolerance holds
+the same run in float64 as plain PyTorch's fp32 run is (tests/helpers/trajectory.py: no fixed tolerance holds
 on every CPU, as Adam amplifies rounding-level gradient differences); bf16 against a plain-PyTorch mixed-precision reference (bf16 compute copy, fp32
 master weights, torch AdamW) within 2e-2 relative on the loss, and against fp32 training within
 5e-2 (bf16's own tolerance); fp16 with loss scaling against fp32 within 3e-2.
@@ -13,66 +13,15 @@ master weights, torch AdamW) within 2e-2 relative on the loss, and against fp32 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
+from tests.helpers.reference import LR, WD, Reference, make_models, run_reference, small_config
+from tests.helpers.tiny_gpt import batches
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
-
-LR, WD = 1e-2, 0.1
-
-
-def small_config(path, **kw) -> offload.OffloadConfig:
-    base = dict(device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
-                nvme_paths=[str(path)], chunk_size=8192)
-    base.update(kw)
-    return offload.OffloadConfig(**base)
-
-
-def make_models(checkpointing=True, seed=0):
-    torch.manual_seed(seed)
-    ref = TinyGPT(checkpointing=checkpointing)
-    return ref, copy.deepcopy(ref)
-
-
-def run_reference(ref, steps, *, accumulate=1, clip=None, skip=(), batch=4):
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    losses = []
-    data = iter(batches(steps * accumulate, batch=batch))
-    for step in range(steps):
-        total = 0.0
-        for _ in range(accumulate):
-            x, y = next(data)
-            loss = ref(x, y) / accumulate
-            loss.backward()
-            total += loss.item()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        if step not in skip:
-            opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses
-
-
-class Reference:
-    """Plain PyTorch's fp32 run of a model and the same run in float64 (the exact one)."""
-
-    def __init__(self, ref, steps, **kw):
-        exact = float64_twin(ref)
-        self.fp32, self.losses = ref, run_reference(ref, steps, **kw)
-        self.exact, self.exact_losses = exact, run_reference(exact, steps, **kw)
-
-    def check(self, model, losses) -> None:
-        """``model`` (trained, with per-step ``losses``) is as close to the exact run as plain PyTorch's."""
-        assert_losses_within_drift(losses, self.losses, self.exact_losses)
-        assert_within_drift(model.state_dict(), self.fp32.state_dict(), self.exact.state_dict())
+pytestmark = pytest.mark.slow
 
 
 def run_offload(model, cfg, steps, *, accumulate=1, clip=None, overflow_at=None):

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
+from tests.helpers.hf_models import tiny_llama
+from tests.helpers.trajectory import assert_run_within_drift, float64_twin, train_in_lockstep
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import tiny_llama  # noqa: E402
-from trajectory import assert_run_within_drift, float64_twin, train_in_lockstep  # noqa: E402
+pytestmark = pytest.mark.slow
 
 
 def checkpointing(model):
@@ -31,7 +29,6 @@ def data(n, seed=0):
     return [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(n)]
 
 
-@pytest.mark.slow
 def test_hf_llama_fp32_matches_torch(disk_tmp):
     ref = tiny_llama()
     mine, exact = copy.deepcopy(ref), float64_twin(ref)

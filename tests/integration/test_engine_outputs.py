@@ -4,9 +4,8 @@ outputs nobody backpropagates through, train under another default device."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 from offload.models.llama import LlamaForCausalLM, get_preset
+from tests.helpers.tiny_gpt import TinyGPT, batches
+from tests.helpers.trajectory import assert_run_within_drift, float64_twin
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_run_within_drift, float64_twin  # noqa: E402
+pytestmark = pytest.mark.slow
 
 
 class LossAndLogits(nn.Module):
@@ -72,7 +71,7 @@ def test_unused_outputs_get_no_zero_gradient(disk_tmp):
 
 def test_in_place_changes_to_outputs_train_like_torch(disk_tmp):
     """``loss *= s`` (transformers.Trainer) and ``logits.div_(t)`` work on a wrapped model's outputs
-    and give plain PyTorch's numbers (up to rounding: tests/trajectory.py)."""
+    and give plain PyTorch's numbers (up to rounding: tests/helpers/trajectory.py)."""
     torch.manual_seed(0)
     ref = LossAndLogits()
     exact = float64_twin(ref)

@@ -12,6 +12,7 @@ import pytest
 
 from offload import ConfigError
 
+pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "finetune_100b.py"
 _spec = importlib.util.spec_from_file_location("finetune_100b_micro", SCRIPT)
 finetune = importlib.util.module_from_spec(_spec)
@@ -27,7 +28,6 @@ def losses(tmp: Path, micro: int) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_micro_batches_train_as_one_pass(disk_tmp):
     one, four = losses(disk_tmp, 1), losses(disk_tmp, 4)
     assert len(one) == len(four) == 3

@@ -9,20 +9,17 @@ one tensor) runs with a chunk size smaller than its expert tensors.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+pytestmark = pytest.mark.slow
 STATE_KINDS = ("grad", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -46,7 +43,6 @@ def batches(n, vocab=128, seq=16, seed=0):
     return [torch.randint(0, vocab, (2, seq), generator=gen) for _ in range(n)]
 
 
-@pytest.mark.slow
 def test_lora_frozen_chunks_have_no_state_and_training_matches_torch(disk_tmp):
     torch.manual_seed(1)
     ref = lora(tiny_llama(hidden=128, inter=256))       # 1.2 MB of fp32 parameters
@@ -114,7 +110,6 @@ def nvme_run(path, *, use_lora: bool, steps: int = 3):
     return reserved, sorted(moved[1:])[len(moved[1:]) // 2], state, losses
 
 
-@pytest.mark.slow
 def test_lora_reserves_and_moves_a_fraction_of_a_full_fine_tune(disk_tmp):
     full_nvme, full_moved, full_state, _ = nvme_run(disk_tmp / "full", use_lora=False)
     lora_nvme, lora_moved, _, losses = nvme_run(disk_tmp / "lora", use_lora=True)
@@ -135,7 +130,6 @@ def tiny_mixtral(seed=0):
     return model
 
 
-@pytest.mark.slow
 def test_mixtral_runs_with_chunks_smaller_than_its_expert_tensor(disk_tmp):
     ref = tiny_mixtral()
     experts = ref.model.layers[0].mlp.experts.gate_up_proj.numel()
@@ -194,7 +188,6 @@ def steps(model, opt, data):
     return out
 
 
-@pytest.mark.slow
 def test_checkpoint_and_safetensors_round_trip_frozen_and_oversized_chunks(disk_tmp):
     (disk_tmp / "nvme").mkdir()
     data = batches(4, seed=3)

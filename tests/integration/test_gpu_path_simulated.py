@@ -1,5 +1,5 @@
 """The GPU path's ordering, exercised on the CPU: copies between the device and CPU tiers run
-asynchronously on simulated copy streams (``tests/sim_streams.py``: a thread per direction, each
+asynchronously on simulated copy streams (``tests/helpers/sim_streams.py``: a thread per direction, each
 copy delayed), in the three-tier layout a GPU run uses (device, pinned CPU, NVMe). Any read of a
 buffer before its copy landed, or reuse of a buffer a copy still reads, changes the numbers;
 training must still equal plain PyTorch, and finished copies must be reaped (their chunks count
@@ -7,21 +7,14 @@ as present and become evictable)."""
 
 from __future__ import annotations
 
-import statistics
-import sys
-from pathlib import Path
-
 import pytest
-import torch
 
 import offload
+from tests.helpers.reference import LR, WD, Reference, make_models, small_config
+from tests.helpers.sim_streams import GatedStreams, SimStreams
+from tests.helpers.tiny_gpt import batches
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import GatedStreams, SimStreams  # noqa: E402
-from test_engine_equivalence import Reference, make_models, small_config  # noqa: E402
-from tiny_gpt import batches  # noqa: E402
-
-LR, WD = 1e-2, 0.1
+pytestmark = pytest.mark.slow
 
 
 def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1, lag=None):
@@ -69,15 +62,14 @@ def test_finished_copies_are_reaped_and_count_as_hits(disk_tmp):
     absent): on a repeating trace nearly every chunk a module needs is already there."""
     _, mine = make_models()
     cfg = small_config(disk_tmp, merge_host_tiers=False, device_budget="384KiB", cpu_budget="768KiB")
-    # A bus fast enough for this model's compute: a late prefetch is a true miss.
-    model, streams, _, stats = train_simulated(mine, cfg, 10, delay_s=0.0001)
+    # A GPU that keeps up (one copy behind the host, whatever the clock): a late prefetch is a true miss.
+    model, streams, _, stats = train_simulated(mine, cfg, 10, lag=1)
     try:
         store = model.offload_engine.store
         hit_rates = [s["prefetch_hit_rate"] for s in stats[3:]]
-        assert statistics.median(hit_rates) > 0.9, hit_rates
+        assert min(hit_rates) > 0.9, hit_rates
         model.offload_engine.adam.drain()
-        store.wait_idle()
-        assert not store._in_flight
+        store.wait_idle()           # every copy in flight finishes: none is left waiting for a fence
     finally:
         model.offload_engine.close()
         streams.close()

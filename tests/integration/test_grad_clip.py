@@ -6,8 +6,6 @@ it cannot do exactly, with the reason."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +13,10 @@ from torch import nn
 
 import offload
 from offload import ConfigError, OffloadError
+from tests.helpers.tiny_gpt import TinyGPT, batches
+from tests.helpers.trajectory import assert_run_within_drift, assert_within_drift, drift, float64_twin
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_run_within_drift, assert_within_drift, drift, float64_twin  # noqa: E402
+pytestmark = pytest.mark.slow
 
 
 def cfg(path, **kw):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,16 @@ import torch
 
 import offload
 from offload import OffloadError
+from tests.helpers.hf_models import hf_load, save_tiny, token_batch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import hf_load, save_tiny, token_batch  # noqa: E402
 
 from offload.hf import export_pretrained, load_pretrained  # noqa: E402
 from offload.hf.output import write_output  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def config(nvme, dtype="fp32", chunk=8192) -> offload.OffloadConfig:
@@ -254,13 +254,11 @@ def test_config_transformers_cannot_build(disk_tmp):
         load_pretrained(src, config(disk_tmp / "nvme"))
 
 
-
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return [int(line.split()[1]) * 1024 for line in f if line.startswith(key)][0]
 
 
-@pytest.mark.slow
 def test_loading_streams_within_budgets(disk_tmp):
     """Peak RSS while loading <= budgets + the largest tensor + a fixed overhead (the staging chunk,
     read blocks, allocator slack), for a checkpoint ~3x the budgets. Measured in this process:

@@ -18,16 +18,17 @@ import torch
 
 import offload
 from offload import ConfigError, OffloadError
+from tests.helpers.hf_models import hf_load, save_tiny, token_batch
+from tests.helpers.processes import python_env
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import hf_load, save_tiny, token_batch  # noqa: E402
 
 from offload.checkpoint import load_checkpoint  # noqa: E402
 from offload.hf import load_pretrained  # noqa: E402
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "finetune_100b.py"
 _spec = importlib.util.spec_from_file_location("finetune_100b", SCRIPT)
@@ -156,7 +157,7 @@ def test_cli_prints_one_line_without_traceback(disk_tmp):
     shard = sorted(src.glob("model-*.safetensors"))[1]
     shard.write_bytes(b"\x00" * 7)
     done = subprocess.run([sys.executable, str(SCRIPT), "--model", str(src), "--no-plan", "--steps", "1"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=python_env())
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("finetune: error:")]

@@ -13,6 +13,9 @@ import torch
 
 import offload
 from offload.models.llama import LlamaForCausalLM, get_preset
+from tests.helpers.processes import python_env
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -85,7 +88,7 @@ LAZY_OVERHEAD = 88 << 20
 def test_lazy_build_streams_within_budget(disk_tmp):
     cpu_budget = 48 << 20
     done = subprocess.run([sys.executable, "-c", BUILD, str(disk_tmp), str(cpu_budget)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=python_env())
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["state"] >= 4 * cpu_budget

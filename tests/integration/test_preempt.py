@@ -11,15 +11,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 import offload
 from offload.checkpoint import list_checkpoints, verify_root
 from offload.preempt import exit_status
+from tests.helpers import finetune_runs as runs
+from tests.helpers.processes import python_env
+from tests.helpers.tiny_gpt import TinyGPT
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def test_exit_status_is_documented():
@@ -37,15 +39,14 @@ def _wait_for(pred, timeout=120.0, proc=None):
     raise AssertionError("timed out")
 
 
-@pytest.mark.slow
-def test_sigterm_checkpoints_exits_143_and_resume_is_identical(soak, reference_run, disk_tmp):
+def test_sigterm_checkpoints_exits_143_and_resume_is_identical(reference_run, disk_tmp):
     reference, steps = reference_run
     nvme, ckpt, log = disk_tmp / "nvme", disk_tmp / "ckpt", disk_tmp / "log.jsonl"
     # No scheduled checkpoints: the one found afterwards is the preemption's.
-    cmd = soak.command(steps, nvme, ckpt, log, resume=False, extra=["--checkpoint-every", "0"])
-    proc = subprocess.Popen(cmd, env=soak.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = runs.command(steps, nvme, ckpt, log, resume=False, extra=["--checkpoint-every", "0"])
+    proc = subprocess.Popen(cmd, env=runs.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: len(soak.logged_steps(log)) >= 2, proc=proc)
+        _wait_for(lambda: len(runs.logged_steps(log)) >= 2, proc=proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -55,28 +56,27 @@ def test_sigterm_checkpoints_exits_143_and_resume_is_identical(soak, reference_r
     assert proc.returncode == 143, err[-2000:]
     assert "SIGTERM received" in err and "Traceback" not in err
     saved = list_checkpoints(ckpt)
-    done = len(soak.logged_steps(log))
+    done = len(runs.logged_steps(log))
     assert len(saved) == 1 and saved[0].name == f"step-{done:08d}" and 2 <= done < steps, (saved, done)
     assert f"checkpoint {saved[0]}" in err
     assert os.listdir(nvme) == []
 
-    soak.run_to_end(soak.command(steps, nvme, ckpt, log, resume=True, extra=["--checkpoint-every", "0"]))
-    assert soak.compare(soak.final_checkpoint(reference / "ckpt"), soak.final_checkpoint(ckpt)) == []
-    losses = {r["step"]: r["loss"] for r in soak.logged_steps(log)}
-    ref_losses = {r["step"]: r["loss"] for r in soak.logged_steps(reference / "log.jsonl")}
+    runs.run_to_end(runs.command(steps, nvme, ckpt, log, resume=True, extra=["--checkpoint-every", "0"]))
+    assert runs.compare(runs.final_checkpoint(reference / "ckpt"), runs.final_checkpoint(ckpt)) == []
+    losses = {r["step"]: r["loss"] for r in runs.logged_steps(log)}
+    ref_losses = {r["step"]: r["loss"] for r in runs.logged_steps(reference / "log.jsonl")}
     assert losses == ref_losses
 
 
 USER_LOOP = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, sys.argv[2])
     import torch, offload
     import offload.checkpoint.files as ckfiles
-    from tiny_gpt import TinyGPT, batches
-    ckpt, mode = sys.argv[1], sys.argv[3]
+    from tests.helpers.tiny_gpt import TinyGPT, batches
+    ckpt, mode = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="192KiB",
-                         cpu_budget="256KiB", nvme_paths=[sys.argv[4]], chunk_size=8192))
+                         cpu_budget="256KiB", nvme_paths=[sys.argv[3]], chunk_size=8192))
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     data = batches(1000)
     step = 0
@@ -85,12 +85,12 @@ USER_LOOP = textwrap.dedent("""
         x, y = next(data); model(x, y).backward(); opt.step(); opt.zero_grad(); step += 1
     train_one(); train_one()
     offload.save_checkpoint(model, opt, ckpt, step=step)
-    if mode == "twice":                      # make the preemption's save slow: a second signal lands in it
+    if mode == "twice":                      # the preemption's save never ends: a second signal lands in it
         slow = ckfiles.write_chunk
         def paused(writer, data):
             slow(writer, data)
             print("SAVING", flush=True)
-            time.sleep(30)
+            time.sleep(3600)
         ckfiles.write_chunk = paused
     with offload.on_preempt(lambda: offload.save_checkpoint(model, opt, ckpt, step=step)) as preempt:
         print("READY", flush=True)
@@ -102,8 +102,8 @@ USER_LOOP = textwrap.dedent("""
 
 def _user_loop(disk_tmp, mode):
     (disk_tmp / "nvme").mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", USER_LOOP, str(disk_tmp / "ckpt"), str(ROOT / "tests"), mode,
-                             str(disk_tmp / "nvme")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", USER_LOOP, str(disk_tmp / "ckpt"), mode, str(disk_tmp / "nvme")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
 
 
 def _read_until(proc, word):
@@ -134,11 +134,9 @@ def test_second_signal_exits_at_once_previous_checkpoint_intact(disk_tmp):
     try:
         _read_until(proc, "READY")
         proc.send_signal(signal.SIGTERM)
-        _read_until(proc, "SAVING")              # the preemption's save is under way (and paused)
-        t0 = time.monotonic()
+        _read_until(proc, "SAVING")              # the preemption's save is under way (and never ends)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
-        assert time.monotonic() - t0 < 10        # at once, not after the 30 s pause
+        proc.wait(60)                            # so only the second signal can have ended it
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -152,9 +150,6 @@ def test_second_signal_exits_at_once_previous_checkpoint_intact(disk_tmp):
     assert os.listdir(disk_tmp / "nvme") == []
     verdicts, _ = verify_root(ckpt)
     assert [v.ok for v in verdicts] == [True]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_gpt import TinyGPT
-
     model = offload.wrap(TinyGPT(), offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="192KiB",
                                                           cpu_budget="256KiB", nvme_paths=[str(disk_tmp / "nvme")],
                                                           chunk_size=8192))

@@ -8,38 +8,37 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import offload
+from tests.helpers import finetune_runs as runs
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("finetune_100b", ROOT / "scripts" / "finetune_100b.py")
+    spec = importlib.util.spec_from_file_location("finetune_100b", runs.SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_tokenizer_missing_files_one_line_no_traceback(soak, tmp_path):
+def test_tokenizer_missing_files_one_line_no_traceback(tmp_path):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "vocab.json").write_text("{}")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "finetune_100b.py"), "--tokenizer", str(tok),
-                           "--no-plan", "--steps", "1"], capture_output=True, text=True, env=soak.env(), timeout=120)
+    done = subprocess.run([sys.executable, str(runs.SCRIPT), "--tokenizer", str(tok),
+                           "--no-plan", "--steps", "1"], capture_output=True, text=True, env=runs.env(), timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("finetune: error: --tokenizer=") and "merges.txt" in last and str(tok) in last
 
 
-def test_resume_errors_name_what_differs(script, soak, reference_run, disk_tmp, capsys):
+def test_resume_errors_name_what_differs(script, reference_run, disk_tmp, capsys):
     reference, steps = reference_run
-    args = soak.TRAIN_ARGS + ["--nvme-path", str(disk_tmp / "nvme"), "--steps", str(steps)]
+    args = runs.TRAIN_ARGS + ["--nvme-path", str(disk_tmp / "nvme"), "--steps", str(steps)]
     with pytest.raises(offload.OffloadError, match="no checkpoint in") as info:
         script.main(args + ["--checkpoint-dir", str(disk_tmp / "empty"), "--resume"])
     assert "\n" not in str(info.value)
@@ -62,4 +61,4 @@ def test_resume_errors_name_what_differs(script, soak, reference_run, disk_tmp, 
     assert f"finetune: skipped checkpoint {newest}: " in err and "param[0]" in err and "mismatch" in err
     assert f"resumed from {previous} at step {steps - 1}" in err
     # ... and, having redone the last step, it ends where the uninterrupted run ended.
-    assert soak.compare(reference / "ckpt" / newest.name, ckpt / newest.name) == []
+    assert runs.compare(reference / "ckpt" / newest.name, ckpt / newest.name) == []

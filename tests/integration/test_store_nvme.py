@@ -10,7 +10,9 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.nvme
+from tests.helpers.processes import python_env
+
+pytestmark = [pytest.mark.nvme, pytest.mark.slow]
 
 # Fixed overhead on top of the tier budgets: one chunk-sized temporary per kind while a chunk is
 # generated or verified, the NVMe read-back staging buffer, and allocator slack.
@@ -76,7 +78,7 @@ SCRIPT = textwrap.dedent("""
 def test_ten_times_budget_round_trip_and_rss(disk_tmp):
     device_budget, cpu_budget = 8 << 20, 16 << 20
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(disk_tmp), str(device_budget), str(cpu_budget)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=python_env())
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["state_bytes"] >= 10 * (device_budget + cpu_budget)

@@ -6,7 +6,6 @@ one line from rank 0 and a nonzero exit, never a hang."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,23 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.finetune_runs import SCRIPT, env
+from tests.helpers.hf_models import save_tiny
+from tests.helpers.processes import ROOT
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "finetune_100b.py"
 # 4 sequences of 32 tokens a step (2 a rank); small budgets give the tiny model several chunks,
 # so both ranks own some.
 ARGS = ["--preset", "tiny", "--dtype", "fp32", "--batch-tokens", "128", "--seq-len", "32",
         "--device-budget", "8M", "--cpu-budget", "6M", "--no-plan", "--seed", "0", "--warmup", "2"]
 STEPS = 10
-
-
-def env() -> dict:
-    e = dict(os.environ)
-    e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(name, None)
-    return e
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -137,11 +129,6 @@ def test_two_ranks_write_the_model_one_process_would(disk_tmp):
     """--model DIR --output DIR under 2 ranks: one HF directory, with the weights one process with
     the same flags trains (to fp32 rounding: the gradients are averaged over two halves)."""
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from hf_models import save_tiny
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
     src = save_tiny(disk_tmp / "src", "llama")
     data = disk_tmp / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 40)

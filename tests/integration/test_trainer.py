@@ -2,26 +2,23 @@
 with a plain model and ``torch.optim.AdamW`` (fp32, NVMe forced): with Trainer's default
 ``max_grad_norm=1.0`` (its clip goes through ``torch.nn.utils.clip_grad_norm_``, which the engine
 answers with the real global norm) and with clipping off. Losses and final weights as close to the same
-Trainer run in float64 as plain PyTorch's (tests/trajectory.py)."""
+Trainer run in float64 as plain PyTorch's (tests/helpers/trajectory.py)."""
 
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offload
+from tests.helpers.hf_models import tiny_llama
+from tests.helpers.trajectory import assert_run_within_drift, float64_twin
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import tiny_llama  # noqa: E402
-from trajectory import assert_run_within_drift, float64_twin  # noqa: E402
-
+pytestmark = pytest.mark.slow
 STEPS = 5
 
 
@@ -58,7 +55,6 @@ def train(model, optimizer, out_dir, max_grad_norm):
     return trainer.losses
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
 def test_trainer_matches_torch(disk_tmp, max_grad_norm):
     ref = tiny_llama()

@@ -12,9 +12,7 @@ parks nothing says so.
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import tiny_llama  # noqa: E402
+from tests.helpers.hf_models import tiny_llama
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 32, 16, 3, 2, 8, 2
 

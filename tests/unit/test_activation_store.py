@@ -5,7 +5,6 @@ entries are released when autograd lets go of them."""
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,7 @@ from hypothesis import strategies as st
 from offload.activations import ActivationArea, ActivationStore, SpillSpace, offloadable
 from offload.aio import AsyncIO
 from offload.config import AioConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import SimStreams  # noqa: E402
+from tests.helpers.sim_streams import SimStreams
 
 CPU = torch.device("cpu")
 

@@ -5,7 +5,6 @@ copy against ``.to(dtype)``, thread-count independence, and argument checking.""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 from offload import native
 from offload.errors import ConfigError
 from offload.optim import adam_step
+from tests.helpers.processes import python_env
 
 LEVELS = [pytest.param(level, marks=pytest.mark.skipif(
     level not in native.simd_available(), reason=f"this CPU lacks {level}"))
@@ -326,16 +326,17 @@ def _simd_in_subprocess(value: str) -> subprocess.CompletedProcess:
             "from offload.errors import ConfigError\n"
             "try:\n    print(native.simd_level())\n"
             "except ConfigError as e:\n    print('ConfigError', e.field)\n")
-    env = dict(os.environ, OFFLOAD_SIMD=value)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], env=python_env(OFFLOAD_SIMD=value), capture_output=True, text=True,
                           timeout=60)
 
 
+@pytest.mark.slow
 def test_offload_simd_lowers_the_level():
     done = _simd_in_subprocess("scalar")
     assert done.stdout.strip() == "scalar", done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["avx1024", "avx512"])
 def test_offload_simd_above_supported_is_an_error(value):
     if value in native.simd_available():

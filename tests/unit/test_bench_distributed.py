@@ -1,6 +1,6 @@
 """offload bench step --nproc: ring accounting, the counter's plumbing, the summary and report shape,
 and the command's argument errors. Real ranks (the counter in a group of two, a short run) are in
-tests/integration/test_bench_distributed.py."""
+tests/integration/test_bench_step_distributed.py."""
 
 from __future__ import annotations
 

@@ -5,15 +5,13 @@ another (every fp32 gradient chunk under accumulation), synchronized on their fe
 evicting a dirty chunk from the device (gradients, when updates wait for backward), waited for
 its download before dropping the device copy; and dropping a host copy that an upload still read
 (the host copy of a gradient accumulated on the device goes stale) waited for that upload. All
-three drained the GPU's queue. Here the copies run on ``GatedStreams`` (``tests/sim_streams.py``):
+three drained the GPU's queue. Here the copies run on ``GatedStreams`` (``tests/helpers/sim_streams.py``):
 a copy runs only when the test says so or when something waits for it, and each host wait
 records whether the store's lock was held. What comes out must be bit-identical to what went in.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 from hypothesis import given, settings
@@ -22,9 +20,7 @@ from hypothesis import strategies as st
 from offload.chunks import ChunkStore
 from offload.scheduler import LRUPolicy
 from offload.tiers import MemoryTier
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim_streams import GatedStreams  # noqa: E402
+from tests.helpers.sim_streams import GatedStreams
 
 KIB = 1024
 N = 512                 # elements of a bulk fp32 chunk (2 KiB)

@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from tests.helpers.processes import ROOT, python_env
+
+pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "benchmarks" / "gpu_figures.py"
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3" failures="1"
@@ -23,7 +27,8 @@ classname="tests.gpu.test_gpu_path" name="test_c"><skipped message="needs two GP
 
 def figures(*args) -> dict:
     out = Path(args[1])
-    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env=python_env())
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
 

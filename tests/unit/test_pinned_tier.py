@@ -9,17 +9,13 @@ cudaHostRegister on a GPU box goes through the same calls)."""
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import torch
 
 import offload
 from offload.aio.pinning import MlockPinner
 from offload.tiers import MemoryTier
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
+from tests.helpers.tiny_gpt import TinyGPT, batches
 
 PAGE = 4096
 

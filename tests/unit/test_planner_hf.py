@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,11 +11,10 @@ from offload.errors import ConfigError
 from offload.models.llama import LlamaConfig
 from offload.plan import Hardware, Policy, plan
 from offload.plan.model import param_numels
+from tests.helpers.hf_models import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_models import tiny_config  # noqa: E402
 
 BOX = dict(gpu_mem=None, cpu_mem=64 << 30, nvme_capacity=1 << 40, nvme_read_gbps=2.0, nvme_write_gbps=2.0,
            compute_tflops=0.1, adam_params_per_s=1e9)

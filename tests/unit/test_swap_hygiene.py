@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,8 @@ from offload.aio import AsyncIO, StripedFile, aligned_empty
 from offload.cli import main
 from offload.tiers.nvme import NvmeTier
 from offload.tiers.swapfiles import find_leftovers, private_dir, reclaim_stale
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
+from tests.helpers.processes import ROOT, python_env
+from tests.helpers.tiny_gpt import TinyGPT, batches
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -97,9 +94,8 @@ def test_private_dir_is_0700_and_named_after_the_pid(disk_tmp):
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, sys.argv[2])
     import torch, offload
-    from tiny_gpt import TinyGPT, batches
+    from tests.helpers.tiny_gpt import TinyGPT, batches
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="192KiB",
                          cpu_budget="256KiB", nvme_paths=[sys.argv[1]], chunk_size=8192))
@@ -108,21 +104,21 @@ HOLDER = textwrap.dedent("""
     for _ in range(2):
         x, y = next(data); model(x, y).backward(); opt.step(); opt.zero_grad()
     print("READY", flush=True)
-    time.sleep(120)
+    time.sleep(3600)                    # until the kill
 """)
 
 
 def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+    """A pid no process has: above the kernel's ``pid_max``, which no pid reaches."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
+@pytest.mark.slow
 def test_kill_9_leaves_no_file_in_the_nvme_directory(disk_tmp):
     nvme = disk_tmp / "nvme"
     nvme.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(nvme), str(ROOT / "tests")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(nvme)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
     try:
         line = proc.stdout.readline().strip()
         assert line == "READY", proc.stderr.read() if proc.poll() is not None else line
@@ -157,7 +153,9 @@ def test_leftovers_are_reported_with_sizes_and_reclaimed(disk_tmp, capsys):
     assert found[dead.name].nbytes >= MiB and not found[dead.name].in_use
     assert found[live.name].in_use
 
-    assert main(["doctor", "--path", str(disk_tmp), "--json"]) in (0, 1)
+    # Leftovers are warnings, not errors: the verdict stays ready (a small pinned probe keeps
+    # a GPU box's host memory out of it).
+    assert main(["doctor", "--path", str(disk_tmp), "--json", "--pinned-bytes", "1M"]) == 0
     full = json.loads(capsys.readouterr().out)
     report = full["path"]
     assert report["leftover_bytes"] >= 4 * MiB
@@ -168,7 +166,7 @@ def test_leftovers_are_reported_with_sizes_and_reclaimed(disk_tmp, capsys):
     # A tier start reclaims dead private directories only; old named files wait for --clean.
     NvmeTier([disk_tmp], AioConfig(backend="threads")).close()
     assert not dead.exists() and old.exists() and live.exists()
-    assert main(["doctor", "--path", str(disk_tmp), "--clean", "--json"]) in (0, 1)
+    assert main(["doctor", "--path", str(disk_tmp), "--clean", "--json", "--pinned-bytes", "1M"]) == 0
     report = json.loads(capsys.readouterr().out)["path"]
     assert [x["removed"] for x in report["leftovers"] if x["kind"] == "swap file"] == [True]
     assert not old.exists() and live.exists() and (disk_tmp / "unrelated.swp").exists()

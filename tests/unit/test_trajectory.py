@@ -1,4 +1,4 @@
-"""The equivalence tests' rule (tests/trajectory.py) passes correct fp32 runs whose rounding differs
+"""The equivalence tests' rule (tests/helpers/trajectory.py) passes correct fp32 runs whose rounding differs
 from the reference's and fails runs with the faults an offload engine can make.
 
 Correct variants: our CPU Adam in place of torch's (other arithmetic), and every gradient one unit in
@@ -10,17 +10,13 @@ tensor for one step, a learning rate 1 % off.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from offload.optim import CPUAdamW
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_gpt import TinyGPT, batches  # noqa: E402
-from trajectory import assert_losses_within_drift, assert_within_drift, float64_twin  # noqa: E402
+from tests.helpers.tiny_gpt import TinyGPT, batches
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
 LR, WD, STEPS = 1e-2, 0.1, 12
 

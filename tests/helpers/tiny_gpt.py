@@ -44,7 +44,7 @@ class TinyGPT(nn.Module):
             else:
                 x = block(x)
         logits = self.head(self.ln_f(x))
-        # fp32 or wider: bf16 logits are promoted, a float64 twin (tests/trajectory.py) keeps its precision
+        # fp32 or wider: bf16 logits are promoted, a float64 twin (tests/helpers/trajectory.py) keeps its precision
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -1,7 +1,7 @@
-"""One rank of a data-parallel test run: ``python tests/dp_worker.py SPEC.json`` with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (see tests/dp_launch.py).
+"""One rank of a data-parallel test run: ``launch("tests.helpers.dp_worker:main", spec, world, tmp)``
+(tests/helpers/ranks.py) calls ``main(spec)`` in each rank's process.
 
-SPEC: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
+spec: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
 "out": path prefix, "seed", "checkpointing", "backend", "set_device"}. Each rank trains TinyGPT
 on its 1/N slice of the same global batches the single-process reference sees and writes
 ``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the warnings
@@ -13,10 +13,8 @@ torchrun scripts should, else the engine has to).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -24,11 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload  # noqa: E402
-from tiny_gpt import TinyGPT, batches  # noqa: E402
+import offload
 
-LR, WD = 1e-2, 0.1
+from .reference import LR, WD
+from .tiny_gpt import TinyGPT, batches
 
 
 class FailInBackward(torch.autograd.Function):
@@ -41,8 +38,7 @@ class FailInBackward(torch.autograd.Function):
         raise RuntimeError("injected failure in backward")
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def main(spec: dict) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = spec.get("backend", "gloo")
     if backend == "nccl" and spec.get("set_device"):
@@ -126,12 +122,3 @@ def main(spec_path: str) -> None:
                f"{spec['out']}.rank{rank}.pt")
     model.offload_engine.close()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv[1])
-    except Exception as exc:
-        # What the test reads: the error this rank ended with, on one line.
-        print(f"RANK-ERROR {type(exc).__name__}: {exc}", flush=True)
-        raise

@@ -1,0 +1,1 @@
+"""Tests that need a CUDA device (``pytest -m gpu``); each skips cleanly without one."""

@@ -1,0 +1,1 @@
+"""End-to-end runs: the engine against plain PyTorch, scripts, checkpoints, ranks (all ``slow``)."""
