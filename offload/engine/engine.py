@@ -31,8 +31,8 @@ from ..scheduler import TracePrefetcher, make_policy
 from ..tiers import MemoryTier, NvmeTier, resolve_budgets
 from ..tiers.budgets import compute_device, min_cpu_bytes, min_device_bytes_sharded
 from ..tiers.gpu_timeline import GpuTimeline
-from ..tiers.streams import DeviceStreams
 from ..tracer import Tracer
+from . import build
 from .gradients import GradCapture
 from .activation_hooks import make_activation_store
 from .module_hooks import ModuleHooks
@@ -99,19 +99,16 @@ class OffloadEngine(ModuleHooks, GradCapture, StepPipeline):
         if config.nvme_paths is not None:
             tiers.append(NvmeTier(expand_rank(config.nvme_paths, self.dp), config.aio,
                                   prefix=f"offload-{id(self):x}"))
-        self.store = ChunkStore(tiers, self.policy, aliases=aliases)
-        if self.device.type == "cuda":
-            # The compute stream is the one current now (and again at each forward's start).
-            self.store.streams = DeviceStreams(self.device)
+        streams = build.copy_streams(self.device)
+        self.store = ChunkStore(tiers, self.policy, aliases=aliases, streams=streams, tracer=self.tracer,
+                                on_free=lambda key, tier: self.params.on_store_free(key, tier),
+                                urgent_kinds=frozenset({"param"}))
         # With tracing on a GPU, the trace also shows when kernels and copies ran (not only queued).
         self.gpu_timeline = (GpuTimeline(self.store.streams, self.tracer)
                              if self.store.streams is not None and self.tracer.enabled else None)
-        self.store.tracer = self.tracer
-        self.store.urgent_kinds = frozenset({"param"})
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, self.device, on_pin=self._on_pin,
                                     on_unpinned=self._on_unpinned, tracer=self.tracer, sharding=self.dp)
-        self.store.on_free = self.params.on_store_free
         self.params.register_chunks()
         # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
         # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches

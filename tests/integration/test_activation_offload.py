@@ -12,11 +12,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 import offload
+from offload.engine import build
 from offload.models.llama import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,9 +62,11 @@ def batches():
 
 def train(model, cfg: offload.OffloadConfig, streams=None):
     """Losses, final state dict and per-step stats of STEPS offloaded steps."""
-    model = offload.wrap(model, cfg)
     if streams is not None:
-        model.offload_engine.store.streams = streams
+        with mock.patch.object(build, "copy_streams", lambda device: streams):
+            model = offload.wrap(model, cfg)
+    else:
+        model = offload.wrap(model, cfg)
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, stats = [], []
     try:

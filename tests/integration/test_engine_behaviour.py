@@ -218,11 +218,11 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     slow disk: backward then runs ahead of the optimizer. Returns the model, the losses, and each
     move started as (kind, chunk, destination, who): who is "main", or for the optimizer worker
     the chunk it was updating (None between updates)."""
-    from offload.chunks.store import ChunkStore
+    from offload.chunks.traffic import ChunkTraffic
     from offload.engine import stepper
     from offload.engine.stepper import ChunkAdam
 
-    real_update, real_start = ChunkAdam.update, ChunkStore._start_move
+    real_update, real_start = ChunkAdam.update, ChunkTraffic.start_move
     moves = []
     updating = [None]       # the chunk the optimizer worker is updating
 
@@ -247,7 +247,7 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     from offload.engine.pipeline import StepPipeline
 
     monkeypatch.setattr(StepPipeline, "_chunks_to_park", lambda self: set())
-    monkeypatch.setattr(ChunkStore, "_start_move", start_move)
+    monkeypatch.setattr(ChunkTraffic, "start_move", start_move)
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), cfg(path, cpu_budget=cpu_budget))
     assert model.offload_engine.spills and model.offload_engine.layout.num_chunks >= 6

@@ -10,11 +10,13 @@ from __future__ import annotations
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 import offload
+from offload.engine import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sim_streams import GatedStreams, SimStreams  # noqa: E402
@@ -27,10 +29,11 @@ LR, WD = 1e-2, 0.1
 def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1, lag=None):
     """Train on simulated streams: ``SimStreams`` (copies on threads, ``delay_s`` each), or with
     ``lag``, ``GatedStreams`` (a GPU that keeps ``lag`` copies behind the host, deterministically)."""
-    model = offload.wrap(model, cfg)
-    store = model.offload_engine.store
-    streams = SimStreams(delay_s) if lag is None else GatedStreams(store.lock, lag=lag)
-    store.streams = streams
+    streams = SimStreams(delay_s) if lag is None else GatedStreams(lag=lag)
+    with mock.patch.object(build, "copy_streams", lambda device: streams):
+        model = offload.wrap(model, cfg)
+    if lag is not None:
+        streams.lock = model.offload_engine.store.lock     # host waits are checked against it
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip)
     losses, stats = [], []
     data = iter(batches(steps * accumulate))
@@ -77,7 +80,7 @@ def test_finished_copies_are_reaped_and_count_as_hits(disk_tmp):
         assert statistics.median(hit_rates) > 0.9, hit_rates
         model.offload_engine.adam.drain()
         store.wait_idle()
-        assert not store._in_flight
+        assert not store.traffic.in_flight
     finally:
         model.offload_engine.close()
         streams.close()
