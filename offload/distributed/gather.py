@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 # How far along the trace a prefetch looks for the next groups (entries, not groups).
 LOOKAHEAD = 4
@@ -43,12 +44,26 @@ class _Gathered:
 
 
 class GroupGather:
-    def __init__(self, engine, comms, *, keep: int = 3, prefetch: int = 1):
-        self.engine = engine
+    """The window of gathered groups of one engine.
+
+    ``store`` holds the chunks and ``layout`` says their sizes; ``tier`` is where compute reads
+    parameters. From the engine: ``in_use(c)``, whether a module has chunk ``c`` pinned;
+    ``wait_for_update(c)``, which returns once chunk ``c``'s queued Adam update is done (and
+    re-raises its error); ``on_sent(c)``, called once a collective no longer reads this rank's
+    chunk ``c`` (an update held back for it may go).
+    """
+
+    def __init__(self, comms, store, layout, *, tier: str, in_use: Callable[[int], bool],
+                 wait_for_update: Callable[[int], None], on_sent: Callable[[int], None],
+                 keep: int = 3, prefetch: int = 1):
         self.comms = comms
         self.sharding = comms.sharding
-        self.store = engine.store
-        self.tier = engine.params.tier
+        self.store = store
+        self.layout = layout
+        self.tier = tier
+        self.in_use = in_use
+        self.wait_for_update = wait_for_update
+        self.on_sent = on_sent
         self.keep = max(2, keep)
         self.prefetch = max(0, prefetch)
         self.window: OrderedDict[int, _Gathered] = OrderedDict()
@@ -102,7 +117,7 @@ class GroupGather:
     # ---- internals -------------------------------------------------------------------------
     def _start(self, g: int) -> None:
         """Submit group ``g``'s gather to the communication thread."""
-        chunks = self.sharding.group_chunks(g, self.engine.layout.num_chunks)
+        chunks = self.sharding.group_chunks(g, self.layout.num_chunks)
         entry = _Gathered(chunks, {c for c in chunks if self.sharding.owns(c)})
         entry.pending = self.comms.submit(lambda: self._gather(entry))
         self.window[g] = entry
@@ -112,7 +127,7 @@ class GroupGather:
         as fresh buffers — and start one broadcast per chunk from its owner (see ``comms`` for why
         not one all-gather). Each moves its chunk up to its last parameter only: the padding after
         it is never read by compute (and the owner's copy keeps it)."""
-        s, store, used = self.sharding, self.store, self.engine.layout.used
+        s, store, used = self.sharding, self.store, self.layout.used
         views = []
         try:
             for c in entry.chunks:
@@ -120,7 +135,7 @@ class GroupGather:
                 if c in entry.sending:
                     # Contribute the new values, never half-updated ones; waiting here holds up
                     # this collective only, not the thread that computes.
-                    self.engine.adam.wait_for(c)
+                    self.wait_for_update(c)
                     views.append(store.access(key, self.tier))
                     entry.own.append(key)
                 else:
@@ -148,7 +163,7 @@ class GroupGather:
             self.store.release(key, self.tier)
         sent, entry.sending = entry.sending, set()
         for c in sorted(sent):
-            self.engine._on_unpinned(c)       # its update may have been waiting for the collective
+            self.on_sent(c)       # its update may have been waiting for the collective
 
     def _follow_trace(self, g: int) -> set[int]:
         """Start gathering the groups that come after ``g`` in the last iteration's order."""
@@ -176,8 +191,7 @@ class GroupGather:
         return ahead
 
     def _unused(self, g: int) -> bool:
-        pins = self.engine.params.pins
-        return all(pins[c] == 0 for c in self.window[g].chunks)
+        return not any(self.in_use(c) for c in self.window[g].chunks)
 
     def _trim(self, protect: set[int]) -> None:
         """Drop groups beyond ``keep``: the one the trace uses again latest (or never), as

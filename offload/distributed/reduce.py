@@ -15,19 +15,34 @@ At most ``max_in_flight`` groups are reduced at once: each holds N gradient chun
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable, ContextManager
 
 from ..chunks.states import ChunkState
 
 
 class GradReducer:
-    def __init__(self, engine, comms, *, max_in_flight: int = 2):
-        self.engine = engine
+    """The gradient reductions of one engine.
+
+    ``store`` holds the gradient chunks and ``layout`` says which are trainable and how much of
+    each is used; ``tier`` is where gradients are pinned. From the engine: ``on_compute()``, a
+    context in which device work runs on the compute stream; ``on_reduced(c, view)``, which hands
+    this rank's averaged gradient chunk ``c`` (pinned ``view``) to the optimizer pipeline;
+    ``on_dropped(c)``, told that another rank's chunk ``c`` left with its gradients.
+    """
+
+    def __init__(self, comms, store, layout, *, tier: str, on_compute: Callable[[], ContextManager],
+                 on_reduced: Callable[[int, object], None], on_dropped: Callable[[int], None],
+                 max_in_flight: int = 2):
         self.comms = comms
         self.sharding = comms.sharding
-        self.store = engine.store
-        self.tier = engine.params.tier
+        self.store = store
+        self.tier = tier
+        self.used = layout.used
+        self.on_compute = on_compute
+        self.on_reduced = on_reduced
+        self.on_dropped = on_dropped
         self.max_in_flight = max(1, max_in_flight)
-        lay = engine.layout
+        lay = layout
         self.trainable: dict[int, list[int]] = {}      # group -> its trainable chunks
         for c in lay.trainable_chunks:
             self.trainable.setdefault(self.sharding.group_of(c), []).append(c)
@@ -91,7 +106,7 @@ class GradReducer:
         chunks = sorted(done)
         views = [done[c] for c in chunks]
         self.issued.add(g)
-        used = self.engine.layout.used
+        used = self.used
         # Up to each chunk's last parameter: the padding after it is zeros on every rank.
         pending = self.comms.submit(lambda: [self.comms.start_reduce(v[:used[c]], s.owner(c))
                                              for c, v in zip(chunks, views)])
@@ -107,16 +122,14 @@ class GradReducer:
             for c in chunks:
                 self.store.release(("grad", c), self.tier)
             raise
-        engine = self.engine
         for c, view in zip(chunks, views):
             if self.sharding.owns(c):
-                with engine._on_compute():
+                with self.on_compute():
                     view.div_(self.sharding.world)      # the average, as DDP and FSDP give
-                engine._grad_chunk_ready(c, view, reduced=True)
+                self.on_reduced(c, view)
             else:
                 key = ("grad", c)
                 with self.store.lock:       # no other thread may see it unpinned and still holding bytes
                     self.store.release(key, self.tier)
                     self.store.release_storage(key)
-                engine.grad_chunks.discard(c)
-                engine.sumsq.pop(c, None)
+                self.on_dropped(c)

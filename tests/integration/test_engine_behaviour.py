@@ -213,7 +213,7 @@ def test_clip_grad_norm_between_backward_and_step_matches_torch(disk_tmp):
     model.offload_engine.close()
 
 
-def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
+def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4, park=None):
     """Train TinyGPT (state spilling to NVMe) with every chunk update made 20 ms slower, as with a
     slow disk: backward then runs ahead of the optimizer. Returns the model, the losses, and each
     move started as (kind, chunk, destination, who): who is "main", or for the optimizer worker
@@ -243,10 +243,11 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
     # A loaded machine must not turn the back-pressure's stall escape into a spill here.
     monkeypatch.setattr(stepper, "BACKLOG_STALL_S", 10.0)
     # Nor may parking (updates held for the next forward, their gradients written down when room
-    # is short: it learns from timings, which a loaded machine skews) stand in for back-pressure.
-    from offload.engine.pipeline import StepPipeline
+    # is short: it learns from timings, which a loaded machine skews) stand in for back-pressure,
+    # unless the test chooses what ``park`` parks.
+    from offload.engine.pipeline import Parking
 
-    monkeypatch.setattr(StepPipeline, "_chunks_to_park", lambda self: set())
+    monkeypatch.setattr(Parking, "choose", park or (lambda self: set()))
     monkeypatch.setattr(ChunkTraffic, "start_move", start_move)
     torch.manual_seed(0)
     model = offload.wrap(TinyGPT(), cfg(path, cpu_budget=cpu_budget))
@@ -260,7 +261,7 @@ def _train_with_a_slow_optimizer(path, monkeypatch, cpu_budget, steps=4):
         loss = model(x, y)
         loss.backward()
         opt.step()
-        model.pending_after_step.append(set(model.offload_engine.adam._pending))
+        model.pending_after_step.append(model.offload_engine.adam.pending_chunks())
         opt.zero_grad()
         losses.append(loss.item())
     return model, losses, moves
@@ -332,18 +333,16 @@ def test_updates_still_queued_at_step_finish_before_the_next_forward_uses_them(d
 def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp, monkeypatch):
     """Half the chunks (those the next forward uses last) parked every step: their updates wait
     for backward to end and overlap the next forward. The numbers are torch's, up to rounding."""
-    from offload.engine.engine import OffloadEngine
+    from offload.engine.pipeline import Parking
 
     def park_half(self):
-        order = sorted(range(self.layout.num_chunks), key=self._deadline)
-        self.parked = set(order[len(order) // 2:]) if self.prefetcher.trace is not None else set()
-        return self.parked
+        order = sorted(self.trainable, key=self.deadline)
+        return set(order[len(order) // 2:]) if self.prefetcher.trace is not None else set()
 
-    monkeypatch.setattr(OffloadEngine, "_chunks_to_park", park_half)
     ref, exact = _torch_runs()
-    model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB")
+    model, got, _ = _train_with_a_slow_optimizer(disk_tmp, monkeypatch, "544KiB", park=park_half)
     engine = model.offload_engine
-    assert engine.parked and any(p & engine.parked for p in model.pending_after_step[1:])
+    assert engine.progress.parked and any(p & engine.progress.parked for p in model.pending_after_step[1:])
     assert_run_within_drift((model, got), ref, exact)
     engine.close()
 
@@ -369,29 +368,31 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
     monkeypatch.setattr(engine.adam, "idle_s", lambda: idle[0])
     engine.adam.update_s = 0.01
 
+    parking = engine.parking
+
     def forward_ended(idle_s, forward_s, stalled_s=0.0, throttled_s=1.0):
         idle[0] = idle_s
         engine.adam.backlog_wait_s = throttled_s
-        engine.fwd_started = time.perf_counter() - forward_s
-        engine.fwd_wait_start = engine.tracer.totals["wait"] - stalled_s
-        engine.fwd_tail_wait_s = 0.0
-        return engine._chunks_to_park()
+        parking.started_at = time.perf_counter() - forward_s
+        parking.wait_at_start = engine.tracer.totals["wait"] - stalled_s
+        parking.tail_wait_s = 0.0
+        return parking.choose()
 
-    engine.park_count = 0
+    parking.count = 0
     parked = forward_ended(0.03, 10.0)              # 3 updates' time idle: +1
-    assert engine.park_count == 1 and len(parked) == 1
+    assert parking.count == 1 and len(parked) == 1
     parked = forward_ended(100.0, 0.045)            # idle since before a 45 ms forward: +2
-    assert engine.park_count == 3 and len(parked) == 3
-    last = sorted(range(engine.layout.num_chunks), key=engine._deadline)[-3:]
+    assert parking.count == 3 and len(parked) == 3
+    last = sorted(range(engine.layout.num_chunks), key=engine.pins.deadline)[-3:]
     assert parked == set(last)
     forward_ended(0.0, 10.0, stalled_s=0.05)       # forward stalled 50 ms: one fewer
-    assert engine.park_count == 2
+    assert parking.count == 2
     forward_ended(100.0, 100.0)                     # at most PARK_GROWTH more a step
-    assert engine.park_count == 4
+    assert parking.count == 4
     forward_ended(100.0, 100.0)                     # and never more than half the chunks
-    assert engine.park_count == 4
+    assert parking.count == 4
     forward_ended(100.0, 100.0, throttled_s=0.0)    # backward never waited for the optimizer
-    assert engine.park_count == 3
+    assert parking.count == 3
     engine.close()
 
 
