@@ -156,7 +156,7 @@ class ModuleHooks:
             self.ready.unpinned(c)
 
     def _unpin_all(self) -> None:
-        for c in range(len(self.pins.counts)):
+        for c in self.pins.pinned_chunks():
             while self.pins.pinned(c):
                 self._unpin(c)
 

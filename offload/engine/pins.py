@@ -91,6 +91,18 @@ class DevicePins:
     def pinned(self, c: int) -> bool:
         return self.counts[c] > 0
 
+    def pinned_chunks(self) -> list[int]:
+        """The chunks pinned now, in chunk order."""
+        return [c for c, n in enumerate(self.counts) if n]
+
+    def chunk_viewed_at(self, address: int) -> int | None:
+        """The chunk whose parameters view the device buffer at ``address``, if any."""
+        return self.views.pinned_buffers.get(address)
+
+    def detach(self, c: int) -> None:
+        """Chunk ``c``'s parameters stop viewing its device copy (its update is rewriting them)."""
+        self.views.detach(c)
+
     def pin(self, c: int) -> None:
         """Pin chunk ``c`` on the device (its parameters view it); the first pin fetches it and
         starts fetching what the trace says comes next."""

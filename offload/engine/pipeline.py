@@ -159,7 +159,7 @@ class StepPipeline:
             # parameters read as the empty placeholder until then, never half-updated values.
             self.adam.raise_error()
             for c in self.adam.pending_chunks():
-                self.pins.views.detach(c)
+                self.pins.detach(c)
         else:
             self.adam.drain()
         if self.reducer is not None and not p.reduced and p.grad_chunks:

@@ -82,7 +82,7 @@ class SavedParameterViews:
             base = t.untyped_storage().data_ptr()
         except RuntimeError:
             return t
-        c = self.pins.views.pinned_buffers.get(base)
+        c = self.pins.chunk_viewed_at(base)
         if c is None:
             acts = self.activations
             return acts.pack(t) if acts is not None and acts.wants(t) else t
