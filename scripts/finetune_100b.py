@@ -101,7 +101,8 @@ def parse_args(argv=None, quiet: bool = False) -> argparse.Namespace:
     p.add_argument("--json-log", metavar="FILE", help="one JSON line per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-nvme", action="store_true",
-                   help="no effect (kept for old command lines): swap files have no name and vanish with the process")
+                   help="keep the NVMe swap files at exit, named offload-<id>-<kind>.swp in each NVMe "
+                        "directory (offload doctor --path DIR --clean removes them)")
     return p.parse_args(argv)
 
 

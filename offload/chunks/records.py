@@ -53,3 +53,7 @@ class ChunkRecord:
     @property
     def busy(self) -> bool:
         return bool(self.incoming)
+
+    def typed(self, buf: torch.Tensor) -> torch.Tensor:
+        """This chunk's typed view of ``buf`` (a flat uint8 buffer of at least ``nbytes``)."""
+        return buf[: self.nbytes].view(self.dtype)[: self.numel]

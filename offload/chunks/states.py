@@ -1,7 +1,6 @@
-"""Chunk and tensor states as enums with explicit transition tables; an illegal move raises.
+"""Chunk states as an enum with an explicit transition table; an illegal move raises.
 
-A *tensor* (one parameter inside a chunk) follows PatrickStar's life cycle through a training
-step. A *chunk* (one kind of storage for a run of parameters) is FREE until it holds bytes, HOLD
+A chunk (one kind of storage for a run of parameters) is FREE until it holds bytes, HOLD
 while it holds them and may move or be evicted, and COMPUTE while someone uses it (pinned to
 its tier, never evicted). Where a chunk's bytes live and whether a copy is current is kept
 beside the state (``ChunkRecord.valid``), not folded into it.
@@ -20,26 +19,10 @@ class ChunkState(enum.Enum):
     COMPUTE = "compute"    # pinned on a tier by at least one user; never evicted
 
 
-class TensorState(enum.Enum):
-    FREE = "free"                      # no storage behind the parameter
-    HOLD = "hold"                      # stored, not in use
-    COMPUTE = "compute"                # its chunk is on the compute device and in use
-    HOLD_AFTER_FWD = "hold_after_fwd"  # forward used it; backward will need it again
-    HOLD_AFTER_BWD = "hold_after_bwd"  # its gradient is complete; waiting for the optimizer
-
-
 CHUNK_TRANSITIONS: dict[ChunkState, frozenset[ChunkState]] = {
     ChunkState.FREE: frozenset({ChunkState.HOLD}),
     ChunkState.HOLD: frozenset({ChunkState.COMPUTE, ChunkState.FREE}),
     ChunkState.COMPUTE: frozenset({ChunkState.HOLD}),
-}
-
-TENSOR_TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
-    TensorState.FREE: frozenset({TensorState.HOLD}),
-    TensorState.HOLD: frozenset({TensorState.COMPUTE, TensorState.FREE}),
-    TensorState.COMPUTE: frozenset({TensorState.HOLD, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD}),
-    TensorState.HOLD_AFTER_FWD: frozenset({TensorState.COMPUTE, TensorState.HOLD}),
-    TensorState.HOLD_AFTER_BWD: frozenset({TensorState.COMPUTE, TensorState.HOLD}),
 }
 
 

@@ -9,15 +9,14 @@ or mid-move, and raises ``TierFullError`` naming the holders when nothing can go
 
 Every public method takes the store's lock for its whole run, waits on I/O included: one lock,
 no lock-order puzzles. Prefetches are asynchronous (they return ``Move`` handles). How moves
-run and how a full tier makes room is the other half, in ``traffic.py``.
+run, how a full tier makes room and where each copy lives is the store's ``ChunkTraffic``
+(``traffic.py``), which it builds with the records and the lock and calls under that lock.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,16 +25,22 @@ from ..scheduler.eviction import EvictionPolicy, LRUPolicy
 from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move
 from ..tiers.nvme import NvmeSlot, NvmeTier
+from ..tiers.streams import CopyStreams
 from .records import ChunkKey, ChunkRecord
+from .report import by_direction, memory_report
 from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
 from .traffic import ChunkTraffic
 
 
-class ChunkStore(ChunkTraffic):
-    """Chunks of several kinds over an ordered list of tiers (top = compute device)."""
+class ChunkStore:
+    """Chunks of several kinds over an ordered list of tiers (top = compute device). ``aliases``:
+    other names for a tier (with no GPU, the engine's "device" and "cpu" are one tier of host
+    memory); ``streams``, ``tracer``, ``on_free``, ``urgent_kinds``: see ``ChunkTraffic``."""
 
     def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None, *,
-                 aliases: dict[str, str] | None = None):
+                 aliases: dict[str, str] | None = None, streams: CopyStreams | None = None, tracer=None,
+                 on_free: Callable[[ChunkKey, str], None] | None = None,
+                 urgent_kinds: frozenset[str] = frozenset()):
         if not tiers:
             raise ConfigError("tiers", tiers, "at least one tier is needed")
         self.tiers = {t.name: t for t in tiers}
@@ -43,35 +48,16 @@ class ChunkStore(ChunkTraffic):
         if "nvme" in self.tiers and self.order[-1] != "nvme":
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
         self.policy = policy or LRUPolicy()
-        # Kinds whose NVMe reads compute waits for (the engine's parameters): they pass the
-        # background traffic (write-backs, optimizer state) queued before them.
-        self.urgent_kinds: frozenset[str] = frozenset()
-        # Other names callers may use for a tier: with no GPU, the engine's "device" and "cpu"
-        # are one tier of host memory (see OffloadEngine).
         self.aliases = dict(aliases or {})
         for alias, name in self.aliases.items():
             if name not in self.tiers or alias in self.tiers:
                 raise ConfigError("aliases", f"{alias}->{name}", f"must name one of the tiers {self.order}")
         self.lock = threading.RLock()
         self.released = threading.Condition(self.lock)   # notified whenever a pin goes
-        self.tracer = None      # an offload.tracer.Tracer: every move becomes a span on its own track
-        # Called as on_free(key, tier) just before a copy's buffer goes back to its tier (under the
-        # lock): the engine keeps parameters viewing idle chunks and detaches them here.
-        self.on_free = None
-        # The CUDA streams copies run on (offload.tiers.streams), when the top tier is a GPU.
-        self.streams = None
+        self.streams = streams      # read by whoever orders its own copies the store's way
         self.records: dict[ChunkKey, ChunkRecord] = {}
-        self.moved: Counter = Counter()       # (src, dst) -> bytes since reset_counters()
-        # tier -> keys holding a copy there (a dict for its insertion order: ties evict deterministically)
-        self.resident: dict[str, dict] = {name: {} for name in self.order}
-        # Chunks that an operation in progress is moving: making room for one move (which may
-        # cascade into write-backs further down) must not evict the source of another.
-        self._protected: Counter = Counter()
-        # Asynchronous moves not yet finished: a chunk stays busy (not evictable) until its move
-        # is finished, so room-making finishes the ones whose I/O is already done (``_reap``).
-        self._in_flight: set[Move] = set()
-        # Host buffers given back while copies still read them: (tier, buffer, fences) (``_retire``).
-        self._retiring: list[tuple[str, torch.Tensor, list]] = []
+        self.traffic = ChunkTraffic(self.tiers, self.order, self.records, self.policy, self.released,
+                                    streams=streams, tracer=tracer, on_free=on_free, urgent_kinds=urgent_kinds)
 
     # ---- registration ---------------------------------------------------
     def register(self, kind: str, count: int, numel: int, dtype: torch.dtype) -> list[ChunkKey]:
@@ -125,11 +111,11 @@ class ChunkStore(ChunkTraffic):
             if rec.state is not ChunkState.FREE:
                 raise StateError(f"chunk {key} is already initialized ({rec.state.name})")
             self._memory_tier(tier)
-            buf = self._allocate(tier, rec)
-            view = self._typed(buf, rec)
+            buf = self.traffic.allocate(tier, rec)
+            view = rec.typed(buf)
             try:
-                self._compute_adopts(tier, buf)
-                with self._compute_owns(tier):
+                self.traffic.compute_adopts(tier, buf)
+                with self.traffic.compute_owns(tier):
                     if fill is None:
                         view.zero_()
                     else:
@@ -137,8 +123,8 @@ class ChunkStore(ChunkTraffic):
             except BaseException:
                 self.tiers[tier].free(buf)        # the chunk stays FREE, its budget unspent
                 raise
-            self._add_copy(rec, tier, buf, view)
-            self._written(rec, tier)
+            self.traffic.add_copy(rec, tier, buf, view)
+            self.traffic.written(rec, tier)
             rec.version += 1
             self._set_state(rec, ChunkState.HOLD)
 
@@ -146,18 +132,16 @@ class ChunkStore(ChunkTraffic):
         """Drop every copy (HOLD -> FREE); the NVMe slot stays reserved."""
         with self.lock:
             rec = self._rec(key)
-            self._settle(rec)
+            self.traffic.settle(rec)
             self._set_state(rec, ChunkState.FREE)
             for tier in list(rec.buffers):
-                self._drop_copy(rec, tier)
+                self.traffic.drop_copy(rec, tier)
             rec.nvme_valid = False
 
     # ---- access -----------------------------------------------------------
     def fetch(self, key: ChunkKey, tier: str) -> Move | None:
         """Start the next hop that brings ``key`` towards ``tier``; None when it is already there.
-
-        Asynchronous: call again after the returned move finishes to take the next hop.
-        """
+        Asynchronous: call again after the returned move finishes to take the next hop."""
         tier = self.tier_name(tier)
         with self.lock:
             rec = self._rec(key)
@@ -165,8 +149,8 @@ class ChunkStore(ChunkTraffic):
                 raise StateError(f"chunk {key} holds no data yet; initialize it first")
             if rec.has(tier):
                 return None
-            under_way, src, dst = self._hop(rec, tier)
-            return under_way or self._start_move(rec, src, dst)
+            under_way, src, dst = self.traffic.hop(rec, tier)
+            return under_way or self.traffic.start_move(rec, src, dst)
 
     def prefetch(self, key: ChunkKey, tier: str, *, soon: bool = False) -> Move | None:
         """Like ``fetch``, but only into free room or by evicting chunks needed later than ``key``.
@@ -184,7 +168,7 @@ class ChunkStore(ChunkTraffic):
                 self.policy.hint_soon(key)
             if rec.has(tier):
                 return None
-            under_way, src, dst = self._hop(rec, tier)
+            under_way, src, dst = self.traffic.hop(rec, tier)
             if under_way is not None:
                 return under_way
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
@@ -192,9 +176,9 @@ class ChunkStore(ChunkTraffic):
                 # soon_limit allows (with a trace: chunks the trace never uses).
                 limit = self.policy.soon_limit() if soon else \
                     self.policy.rank(key) if self.policy.name == "next_use" else float("inf")
-                if not self._make_room(dst, rec.nbytes, key, later_than=limit):
+                if not self.traffic.make_room(dst, rec.nbytes, key, later_than=limit):
                     return None
-            return self._start_move(rec, src, dst)
+            return self.traffic.start_move(rec, src, dst)
 
     def landed(self, key: ChunkKey, tier: str) -> bool:
         """Whether a current copy of ``key`` is on ``tier``, counting a move there whose bytes
@@ -211,11 +195,8 @@ class ChunkStore(ChunkTraffic):
             return False
 
     def ensure(self, key: ChunkKey, tier: str) -> None:
-        """Bring a current copy of ``key`` onto ``tier`` and wait for it.
-
-        The I/O is waited for outside the store's lock (when the caller does not hold it), so
-        other threads keep fetching and evicting meanwhile.
-        """
+        """Bring a current copy of ``key`` onto ``tier`` and wait for it. The I/O is waited for
+        outside the store's lock (when the caller does not hold it): other threads go on meanwhile."""
         tier = self.tier_name(tier)
         while True:
             with self.lock:
@@ -236,40 +217,33 @@ class ChunkStore(ChunkTraffic):
         self._memory_tier(tier)
         # While this thread brings the chunk up hop by hop (waiting outside the lock), no other
         # thread's eviction may take it back down: that is how two threads thrash a small tier.
-        with self.lock:
-            self._protected[key] += 1
-        try:
+        with self.traffic.protect(key):
             while True:
                 if not overwrite:
                     self.ensure(key, tier)
                 with self.lock:
                     rec = self._rec(key)
                     if overwrite and not rec.has(tier):
-                        self._settle(rec)
-                        buf = self._allocate(tier, rec)
+                        self.traffic.settle(rec)
+                        buf = self.traffic.allocate(tier, rec)
                         if tier in rec.buffers:          # someone brought it here while we made room
                             self.tiers[tier].free(buf)
                         else:
                             if rec.state is ChunkState.FREE:
                                 self._set_state(rec, ChunkState.HOLD)
-                            self._compute_adopts(tier, buf)
-                            self._add_copy(rec, tier, buf)
+                            self.traffic.compute_adopts(tier, buf)
+                            self.traffic.add_copy(rec, tier, buf)
                         self._modified(rec, tier)
                     if tier not in rec.buffers:
                         continue        # it left between the fetch and here: again
-                    if not self._gpu_tier(tier) and tier in rec.readers:
-                        self._quiesce(rec, tier)        # the caller may write it on the host
+                    if not self.traffic.gpu_tier(tier) and tier in rec.readers:
+                        self.traffic.quiesce(rec, tier)        # the caller may write it on the host
                     rec.pins[tier] += 1
                     rec.pin_threads[threading.get_ident()] += 1
                     if rec.state is ChunkState.HOLD:
                         self._set_state(rec, ChunkState.COMPUTE)
                     self.policy.on_access(key)
                     return rec.views[tier]
-        finally:
-            with self.lock:
-                self._protected[key] -= 1
-                if not self._protected[key]:
-                    del self._protected[key]
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -280,7 +254,7 @@ class ChunkStore(ChunkTraffic):
                 raise StateError(f"chunk {key} is not pinned on {tier!r}")
             if dirty:
                 self._modified(rec, tier)
-                self._written(rec, tier)
+                self.traffic.written(rec, tier)
             rec.pins[tier] -= 1
             me = threading.get_ident()
             rec.pin_threads[me] -= 1
@@ -290,6 +264,18 @@ class ChunkStore(ChunkTraffic):
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
             self.released.notify_all()
+
+    def start_writeback(self, key: ChunkKey) -> Move | None:
+        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
+        so that evicting it later costs nothing. None when there is nothing to do."""
+        with self.lock:
+            return self.traffic.start_writeback(self._rec(key))
+
+    def wait_idle(self) -> None:
+        """Wait for every asynchronous move under way (write-backs started by the optimizer
+        included) and finish it, and for the copies still reading freed host buffers."""
+        with self.lock:
+            self.traffic.wait_idle()
 
     def view(self, key: ChunkKey, tier: str) -> torch.Tensor | None:
         """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
@@ -306,7 +292,7 @@ class ChunkStore(ChunkTraffic):
             rec = self._rec(key)
             if tier == "nvme":
                 raise StateError("the NVMe tier is the bottom: chunks are evicted *to* it, not from it")
-            self._settle(rec)
+            self.traffic.settle(rec)
             if tier not in rec.buffers:
                 return
             if rec.pins[tier]:
@@ -314,7 +300,7 @@ class ChunkStore(ChunkTraffic):
             if rec.only_on(tier) and tier == self.order[-1]:
                 raise StateError(f"chunk {key}: {tier!r} holds its only copy and there is no tier below "
                                  "to write it to (set nvme_paths)")
-            self._evict(rec, tier)
+            self.traffic.evict(rec, tier)
 
     def read(self, key: ChunkKey) -> torch.Tensor:
         """A CPU copy of the chunk's current contents, from whichever tier holds them (no state change)."""
@@ -335,17 +321,17 @@ class ChunkStore(ChunkTraffic):
         (``offload.aio.aligned_empty``) when the chunk may be on NVMe only, as it is read straight in."""
         with self.lock:
             rec = self._rec(key)
-            self._settle(rec)
+            self.traffic.settle(rec)
             if rec.state is ChunkState.FREE:
                 raise StateError(f"chunk {key} holds no data")
-            typed = self._typed(out, rec)
+            typed = rec.typed(out)
             for tier in self.order:
                 if tier in rec.buffers:
-                    with self._compute_owns(tier):
+                    with self.traffic.compute_owns(tier):
                         typed.copy_(rec.views[tier])
                     return typed
             self.tiers["nvme"].read(rec.slot, out[: rec.slot.nbytes]).wait()
-            self.moved[("nvme", "host")] += rec.nbytes
+            self.traffic.moved[("nvme", "host")] += rec.nbytes
             return typed
 
     def staging_bytes(self, key: ChunkKey) -> int:
@@ -363,7 +349,7 @@ class ChunkStore(ChunkTraffic):
                 return
             view = self.access(key, tier, overwrite=True)
             try:
-                with self._compute_owns(tier):
+                with self.traffic.compute_owns(tier):
                     view.copy_(data.reshape(-1))
             finally:
                 self.release(key, tier, dirty=True)
@@ -372,62 +358,33 @@ class ChunkStore(ChunkTraffic):
         for tier in self.order:
             if tier in rec.buffers:
                 return tier
-        return self._lowest_memory_tier()
+        return self.traffic.lowest_memory
 
     # ---- accounting -------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes per tier and kind, chunk counts, budget use, and bytes moved per direction."""
         with self.lock:
-            tiers: dict[str, dict] = {}
-            for name, tier in self.tiers.items():
-                info = tier.describe()
-                by_kind: Counter = Counter()
-                counts: Counter = Counter()
-                for rec in self.records.values():
-                    if rec.has(name):
-                        by_kind[rec.key[0]] += rec.nbytes
-                        counts[rec.key[0]] += 1
-                info["bytes_by_kind"] = dict(by_kind)
-                info["chunks_by_kind"] = dict(counts)
-                info["use"] = info["reserved"] / info["budget"] if info["budget"] else 0.0
-                tiers[name] = info
-            states = Counter(rec.state.name for rec in self.records.values())
-            return {
-                "tiers": tiers,
-                "chunks": len(self.records),
-                "chunk_states": dict(states),
-                "moved_bytes": self.moved_by_direction(),
-            }
+            return memory_report(self.tiers, self.records.values(), self.traffic.moved)
 
     def moved_by_direction(self) -> dict:
         """Bytes moved per direction ("cpu->nvme": n) since ``reset_counters``."""
         with self.lock:
-            return {f"{s}->{d}": n for (s, d), n in sorted(self.moved.items())}
+            return by_direction(self.traffic.moved)
 
     def reset_counters(self) -> None:
         with self.lock:
-            self.moved.clear()
+            self.traffic.moved.clear()
 
     def moved_bytes(self) -> int:
         with self.lock:
-            return sum(self.moved.values())
+            return sum(self.traffic.moved.values())
 
     # ---- internals --------------------------------------------------------
     def _memory_tier(self, tier: str) -> MemoryTier:
         t = self.tiers.get(tier)
         if not isinstance(t, MemoryTier):
-            raise ConfigError("tier", tier, f"must be one of the memory tiers {self._memory_names()}")
+            raise ConfigError("tier", tier, f"must be one of the memory tiers {self.traffic.memory_tiers}")
         return t
-
-    def _memory_names(self) -> list[str]:
-        return [n for n in self.order if isinstance(self.tiers[n], MemoryTier)]
-
-    def _lowest_memory_tier(self) -> str:
-        return self._memory_names()[-1]
-
-    @staticmethod
-    def _typed(buf: torch.Tensor, rec: ChunkRecord) -> torch.Tensor:
-        return buf[: rec.nbytes].view(rec.dtype)[: rec.numel]
 
     def _modified(self, rec: ChunkRecord, tier: str) -> None:
         rec.version += 1
@@ -435,42 +392,5 @@ class ChunkStore(ChunkTraffic):
             if other != tier:
                 if rec.pins[other]:
                     raise StateError(f"chunk {rec.key} was written on {tier!r} while pinned on {other!r}")
-                self._drop_copy(rec, other)
+                self.traffic.drop_copy(rec, other)
         rec.nvme_valid = False
-
-    def _drop_copy(self, rec: ChunkRecord, tier: str) -> None:
-        """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
-        if self.on_free is not None:
-            self.on_free(rec.key, tier)
-        rec.ready.pop(tier, None)
-        self._free_buffer(tier, rec.buffers.pop(tier), rec.readers.pop(tier, ()))
-        del rec.views[tier]
-        self.resident[tier].pop(rec.key, None)
-
-    def _written(self, rec: ChunkRecord, tier: str) -> None:
-        """The caller just wrote ``rec``'s copy on ``tier``: on a GPU, a copy out of it must wait
-        for the compute queued so far."""
-        if self._gpu_tier(tier):
-            rec.ready[tier] = self.streams.compute_fence()
-
-    def _compute_adopts(self, tier: str, buf: torch.Tensor) -> None:
-        """A fresh buffer on a GPU tier is about to be written by compute: compute first waits for
-        its last users (the fences it was freed with)."""
-        if self._gpu_tier(tier):
-            for fence in self.tiers[tier].take_fences(buf):
-                self.streams.compute_wait(fence)
-
-    @contextmanager
-    def _compute_owns(self, tier: str) -> Iterator[None]:
-        """Device work on ``tier`` issued inside runs on the compute stream, whichever thread
-        issues it (the Adam worker, a checkpoint writer, autograd's thread)."""
-        if not self._gpu_tier(tier):
-            yield
-            return
-        with self.streams.on_compute():
-            yield
-
-    def _add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor, view: torch.Tensor | None = None) -> None:
-        rec.buffers[tier] = buf
-        rec.views[tier] = self._typed(buf, rec) if view is None else view
-        self.resident[tier][rec.key] = None

@@ -1,4 +1,4 @@
-"""How chunks move between tiers, and how a full tier makes room: the store's traffic half.
+"""How chunks move between tiers, and how a full tier makes room: the part of the store that moves bytes.
 
 A move is one hop between adjacent tiers (device <-> CPU by a copy, CPU <-> NVMe by AIO). It is
 asynchronous: the chunk is busy (``incoming``) until the move is finished, and only then does
@@ -7,18 +7,28 @@ the last current one is dropped, the last one is written one tier down first (of
 waiting: the copy is queued and the buffer's next user waits for it on the GPU). Nothing pinned,
 protected or mid-move is evicted; when nothing can go, the caller waits for moves and pins, and
 then ``TierFullError`` names who holds the tier.
+
+``ChunkTraffic`` also owns where each copy lives (``resident``, ``add_copy``, ``drop_copy``) and
+how work on a GPU tier is ordered against compute (``written``, ``compute_adopts``,
+``compute_owns``). The store (``store.py``) builds one, hands it the records and its lock, and
+calls it with that lock held: nothing here takes the lock itself.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Hashable
+from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 
 from ..errors import StateError, TierFullError
+from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move, copy_between
+from ..tiers.nvme import NvmeTier
+from ..tiers.streams import CopyStreams
 from .records import ChunkKey, ChunkRecord
 
 # How long making room waits for another thread (the optimizer worker) to unpin chunks before
@@ -27,22 +37,67 @@ PIN_WAIT_S = 60.0
 
 
 class ChunkTraffic:
-    """Moves and room-making of ``ChunkStore`` (a mixin: the state lives on the store)."""
+    """Moves, room-making and copy bookkeeping over ``tiers`` (ordered top down) for ``records``.
 
-    def _allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
+    ``released``: the store's condition (over its lock), notified whenever a pin goes.
+    ``streams``: the CUDA copy streams when the top tier is a GPU (None: synchronous copies).
+    ``tracer``: every move becomes a span on its own track. ``on_free(key, tier)`` is called
+    just before a copy's buffer goes back to its tier (the engine detaches parameters viewing
+    it). ``urgent_kinds``: kinds whose NVMe reads compute waits for; they pass the background
+    traffic (write-backs, optimizer state) queued before them.
+    """
+
+    def __init__(self, tiers: dict[str, MemoryTier | NvmeTier], order: Sequence[str], records: dict,
+                 policy, released: threading.Condition, *, streams: CopyStreams | None = None, tracer=None,
+                 on_free: Callable[[ChunkKey, str], None] | None = None,
+                 urgent_kinds: frozenset[str] = frozenset()):
+        self.tiers = tiers
+        self.order = list(order)
+        self.records: dict[ChunkKey, ChunkRecord] = records
+        self.policy = policy
+        self.released = released
+        self.streams = streams
+        self.tracer = tracer
+        self.on_free = on_free
+        self.urgent_kinds = frozenset(urgent_kinds)
+        self.memory_tiers = [n for n in self.order if isinstance(self.tiers[n], MemoryTier)]
+        self.lowest_memory = self.memory_tiers[-1] if self.memory_tiers else None
+        self.moved: Counter = Counter()       # (src, dst) -> bytes since the store's reset_counters()
+        # tier -> keys holding a copy there (a dict for its insertion order: ties evict deterministically)
+        self.resident: dict[str, dict] = {name: {} for name in self.order}
+        # Chunks that an operation in progress is moving: making room for one move (which may
+        # cascade into write-backs further down) must not evict the source of another.
+        self.protected: Counter = Counter()
+        # Asynchronous moves not yet finished: a chunk stays busy (not evictable) until its move
+        # is finished, so room-making finishes the ones whose I/O is already done (``reap``).
+        self.in_flight: set[Move] = set()
+        # Host buffers given back while copies still read them: (tier, buffer, fences) (``_retire``).
+        self._retiring: list[tuple[str, torch.Tensor, list]] = []
+
+    @contextmanager
+    def protect(self, key: ChunkKey) -> Iterator[None]:
+        """While inside, room-making never evicts ``key`` (the caller is moving or pinning it).
+        Takes the store's (reentrant) lock only to count: the caller may wait outside it."""
+        with self.released:
+            self.protected[key] += 1
+        try:
+            yield
+        finally:
+            with self.released:
+                self.protected[key] -= 1
+                if not self.protected[key]:
+                    del self.protected[key]
+
+
+    def allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
         """A buffer for ``rec`` on ``tier``, making room first. A reused GPU buffer keeps its
         fences in the tier: a copy into it waits for them on its stream, compute through
         ``_compute_adopts``."""
-        self._protected[rec.key] += 1
-        try:
-            self._make_room(tier, rec.nbytes, rec.key)
-            return self.tiers[tier].allocate(rec.nbytes, lambda: self._holders(tier))
-        finally:
-            self._protected[rec.key] -= 1
-            if not self._protected[rec.key]:
-                del self._protected[rec.key]
+        with self.protect(rec.key):
+            self.make_room(tier, rec.nbytes, rec.key)
+            return self.tiers[tier].allocate(rec.nbytes, lambda: self.holders(tier))
 
-    def _hop(self, rec: ChunkRecord, target: str) -> tuple[Move | None, str, str]:
+    def hop(self, rec: ChunkRecord, target: str) -> tuple[Move | None, str, str]:
         """The next hop (src, dst) that brings ``rec`` towards ``target``, from its closest
         current copy, and the move already under way to ``target`` or ``dst`` (else None)."""
         if target in rec.incoming:
@@ -61,14 +116,14 @@ class ChunkTraffic:
         dst = self.order[si - 1 if si > ti else si + 1]
         return (rec.incoming[dst][1] if dst in rec.incoming else None), src, dst
 
-    def _start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
+    def start_move(self, rec: ChunkRecord, src: str, dst: str) -> Move:
         fence = None        # a CUDA copy's end, while it may still be running
         if dst == "nvme":
             buf = None
             version = rec.version
             move = self.tiers["nvme"].write(rec.slot, rec.buffers[src], src)
         else:
-            buf = self._allocate(dst, rec)
+            buf = self.allocate(dst, rec)
             # Making room may have waited (lock released): another thread may have moved or
             # written this chunk meanwhile. Then this move is moot; the caller fetches again.
             if dst in rec.incoming or rec.has(dst) or not rec.has(src):
@@ -83,7 +138,7 @@ class ChunkTraffic:
         started = time.perf_counter()
 
         def done() -> None:
-            self._in_flight.discard(move)
+            self.in_flight.discard(move)
             rec.incoming.pop(dst, None)
             self.moved[(src, dst)] += rec.nbytes
             if self.tracer is not None:
@@ -92,15 +147,15 @@ class ChunkTraffic:
                                      time.perf_counter(), f"{src}->{dst}", bytes=rec.nbytes)
             if rec.version != version:       # written meanwhile: this copy is stale
                 if buf is not None:
-                    self._free_buffer(dst, buf, [fence] if fence is not None else [])
+                    self.free_buffer(dst, buf, [fence] if fence is not None else [])
                 return
             if dst == "nvme":
                 rec.nvme_valid = True
             else:
-                self._add_copy(rec, dst, buf)
+                self.add_copy(rec, dst, buf)
 
         def failed() -> None:
-            self._in_flight.discard(move)
+            self.in_flight.discard(move)
             rec.incoming.pop(dst, None)
             if buf is not None:
                 self.tiers[dst].free(buf)
@@ -110,16 +165,16 @@ class ChunkTraffic:
         if move.synchronous:   # a CPU copy already done: settle it now
             move.finish()
         else:
-            self._in_flight.add(move)
+            self.in_flight.add(move)
         return move
 
     def _copy(self, rec: ChunkRecord, buf: torch.Tensor, src: str, dst: str):
         """Start copying ``rec``'s copy on ``src`` into ``buf`` on ``dst``: ``(move, fence)``, the
         fence being None for a synchronous host copy."""
         n = rec.nbytes
-        if not (self._gpu_tier(src) or self._gpu_tier(dst)):
+        if not (self.gpu_tier(src) or self.gpu_tier(dst)):
             return copy_between(buf[:n], rec.buffers[src][:n], src, dst), None
-        upload = self._gpu_tier(dst)
+        upload = self.gpu_tier(dst)
         # The buffer's last users and the work that wrote the source come first; nothing else.
         after = self.tiers[dst].take_fences(buf) if upload else []
         if src in rec.ready:
@@ -131,7 +186,7 @@ class ChunkTraffic:
             rec.ready[dst] = fence
         return move, fence
 
-    def _gpu_tier(self, tier: str) -> bool:
+    def gpu_tier(self, tier: str) -> bool:
         """Whether ``tier`` is the compute device of a CUDA run (its copies run on streams)."""
         return self.streams is not None and tier == self.order[0]
 
@@ -141,20 +196,20 @@ class ChunkTraffic:
         live.append(fence)
         rec.readers[tier] = live
 
-    def _quiesce(self, rec: ChunkRecord, tier: str) -> None:
+    def quiesce(self, rec: ChunkRecord, tier: str) -> None:
         """Wait (on the host) until no copy in flight reads ``rec``'s host copy on ``tier``: before
         the host writes it or hands its buffer to someone else. Rarely waits: uploads are issued
         well ahead of the writes that follow them."""
         for fence in rec.readers.pop(tier, ()):
             fence.synchronize()
 
-    def _free_buffer(self, tier: str, buf: torch.Tensor, readers) -> None:
+    def free_buffer(self, tier: str, buf: torch.Tensor, readers) -> None:
         """Give ``buf`` back to ``tier`` once nothing in flight uses it, without the host waiting
         for the GPU. On the GPU its next user's stream waits for the fences (and for the compute
         queued so far). A host buffer's next user may be the host itself (the CPU Adam, an NVMe
         read), which no fence can order: one that copies still read is held back, still counted
         in its tier's use, until they are done (``_retire``)."""
-        if self._gpu_tier(tier):
+        if self.gpu_tier(tier):
             self.tiers[tier].free(buf, [*readers, self.streams.compute_fence()])
             return
         pending = [f for f in readers if not f.query()]
@@ -180,30 +235,29 @@ class ChunkTraffic:
         self._retiring = keep
         return freed
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Finish every move whose I/O is already done (their chunks become evictable), and give
         back the host buffers no copy reads any more."""
-        for move in [m for m in self._in_flight if m.io_ready()]:
+        for move in [m for m in self.in_flight if m.io_ready()]:
             move.finish()
         self._retire()
 
     def wait_idle(self) -> None:
         """Wait for every asynchronous move under way (write-backs started by the optimizer
         included) and finish it, and for the copies still reading freed host buffers."""
-        with self.lock:
-            while self._in_flight:
-                next(iter(self._in_flight)).wait()
-            while self._retiring:
-                self._retire(wait_on=self._retiring[0][0])
+        while self.in_flight:
+            next(iter(self.in_flight)).wait()
+        while self._retiring:
+            self._retire(wait_on=self._retiring[0][0])
 
-    def _settle(self, rec: ChunkRecord) -> None:
+    def settle(self, rec: ChunkRecord) -> None:
         """Wait for every move into or out of ``rec`` to finish."""
         while rec.incoming:
             _, move = next(iter(rec.incoming.values()))
             move.wait()
 
     def _evictable(self, rec: ChunkRecord, tier: str, exclude: Hashable) -> bool:
-        if rec.key == exclude or rec.key in self._protected or tier not in rec.buffers or rec.pins[tier] \
+        if rec.key == exclude or rec.key in self.protected or tier not in rec.buffers or rec.pins[tier] \
                 or rec.busy:
             return False
         # The last current copy may only leave if there is a tier below to write it to (and a
@@ -213,12 +267,12 @@ class ChunkTraffic:
         below = self.order.index(tier) + 1
         return below < len(self.order) and (self.order[below] != "nvme" or rec.slot is not None)
 
-    def _make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
+    def make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
         """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the
         policy ranks beyond it may go, nothing is waited for, and False means "no room"."""
         t = self.tiers[tier]
         if not t.can_allocate(nbytes):
-            self._reap()
+            self.reap()
         while not t.can_allocate(nbytes):
             candidates = [k for k in self.resident[tier] if self._evictable(self.records[k], tier, exclude)]
             if later_than is not None:
@@ -238,12 +292,12 @@ class ChunkTraffic:
                     continue
                 if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
                     continue
-                raise TierFullError(tier, t.budget, t.in_use, nbytes, self._holders(tier))
+                raise TierFullError(tier, t.budget, t.in_use, nbytes, self.holders(tier))
             if not candidates:
                 return False
             need = t.shortfall(nbytes)
             for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
-                self._evict(self.records[key], tier)
+                self.evict(self.records[key], tier)
                 if t.can_allocate(nbytes):
                     break
         return True
@@ -252,24 +306,22 @@ class ChunkTraffic:
         me = threading.get_ident()
         return any(r.pins[tier] and any(t != me for t in r.pin_threads) for r in self.records.values())
 
-    def start_writeback(self, key: ChunkKey) -> Move | None:
-        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
+    def start_writeback(self, rec: ChunkRecord) -> Move | None:
+        """Start writing ``rec``'s current copy from the lowest memory tier to NVMe, asynchronously,
         so that evicting it later costs nothing. None when there is nothing to do."""
-        with self.lock:
-            rec = self._rec(key)
-            low = self._lowest_memory_tier()
-            if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
-                return None
-            return self._start_move(rec, low, "nvme")
+        low = self.lowest_memory
+        if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
+            return None
+        return self.start_move(rec, low, "nvme")
 
-    def _evict(self, rec: ChunkRecord, tier: str) -> None:
+    def evict(self, rec: ChunkRecord, tier: str) -> None:
         """Drop ``rec``'s copy on ``tier`` (not busy: callers settle or skip chunks mid-move)."""
         if rec.only_on(tier):
             below = self.order[self.order.index(tier) + 1]
             version = rec.version
-            move = self._start_move(rec, tier, below)
+            move = self.start_move(rec, tier, below)
             # Off a GPU the copy down is queued and the device buffer goes back to its tier at
-            # once, fenced by the copy (``_drop_copy``): whatever reuses it is ordered after the
+            # once, fenced by the copy (``drop_copy``): whatever reuses it is ordered after the
             # copy on the GPU, so the host need not wait for the bus while holding the lock. The
             # move holds the chunk's only copy until it is finished (the chunk is busy: never
             # evicted, written or released meanwhile); whoever reads the copy below waits for
@@ -277,18 +329,18 @@ class ChunkTraffic:
             # thread started while room was made (the lock released): either way of the version
             # it still has, unless a write came in between. Host copies have no fences: a write
             # to NVMe is waited for before its buffer can be reused.
-            if (self._gpu_tier(tier) and not move.synchronous and move.src == tier and tier in rec.buffers
+            if (self.gpu_tier(tier) and not move.synchronous and move.src == tier and tier in rec.buffers
                     and rec.version == version and not rec.pins[tier]
                     and rec.incoming.get(below, (None, None))[1] is move):
-                self._drop_copy(rec, tier)
+                self.drop_copy(rec, tier)
                 return
             move.wait()
         # Making room below may have let another thread pin or rewrite the chunk: then it stays.
         if tier not in rec.buffers or rec.pins[tier] or rec.only_on(tier):
             return
-        self._drop_copy(rec, tier)
+        self.drop_copy(rec, tier)
 
-    def _holders(self, tier: str) -> str:
+    def holders(self, tier: str) -> str:
         pinned = [r for r in self.records.values() if r.pins.get(tier)]
         moving = [r for r in self.records.values() if tier in r.incoming]
         parts = []
@@ -299,6 +351,44 @@ class ChunkTraffic:
             parts.append(f"{len(moving)} chunks mid-move")
         held = sum(r.nbytes for r in self.records.values() if tier in r.buffers)
         parts.append(f"{held} bytes of chunk copies")
-        if tier == self._lowest_memory_tier() and "nvme" not in self.tiers:
+        if tier == self.lowest_memory and "nvme" not in self.tiers:
             parts.append("no NVMe tier to spill to (set nvme_paths)")
         return "; ".join(parts)
+
+    # ---- copies and their order against compute -------------------------------------------------
+    def add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor, view: torch.Tensor | None = None) -> None:
+        rec.buffers[tier] = buf
+        rec.views[tier] = rec.typed(buf) if view is None else view
+        self.resident[tier][rec.key] = None
+
+    def drop_copy(self, rec: ChunkRecord, tier: str) -> None:
+        """Give a copy's buffer back to its tier; tell ``on_free`` first (views into it must go)."""
+        if self.on_free is not None:
+            self.on_free(rec.key, tier)
+        rec.ready.pop(tier, None)
+        self.free_buffer(tier, rec.buffers.pop(tier), rec.readers.pop(tier, ()))
+        del rec.views[tier]
+        self.resident[tier].pop(rec.key, None)
+
+    def written(self, rec: ChunkRecord, tier: str) -> None:
+        """The caller just wrote ``rec``'s copy on ``tier``: on a GPU, a copy out of it must wait
+        for the compute queued so far."""
+        if self.gpu_tier(tier):
+            rec.ready[tier] = self.streams.compute_fence()
+
+    def compute_adopts(self, tier: str, buf: torch.Tensor) -> None:
+        """A fresh buffer on a GPU tier is about to be written by compute: compute first waits for
+        its last users (the fences it was freed with)."""
+        if self.gpu_tier(tier):
+            for fence in self.tiers[tier].take_fences(buf):
+                self.streams.compute_wait(fence)
+
+    @contextmanager
+    def compute_owns(self, tier: str) -> Iterator[None]:
+        """Device work on ``tier`` issued inside runs on the compute stream, whichever thread
+        issues it (the Adam worker, a checkpoint writer, autograd's thread)."""
+        if not self.gpu_tier(tier):
+            yield
+            return
+        with self.streams.on_compute():
+            yield

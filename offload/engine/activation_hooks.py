@@ -8,26 +8,28 @@ says so (``OffloadConfig.activation_offload``).
 
 from __future__ import annotations
 
+import torch
+
 from ..activations import ActivationArea, ActivationStore, SpillSpace
 from ..errors import ConfigError
 
 
-def make_activation_store(engine, budget: int) -> ActivationStore | None:
+def make_activation_store(config, device: torch.device, budget: int, store, tracer) -> ActivationStore | None:
     """The engine's activation store over an area of ``budget`` bytes (``Budgets.activations``,
-    resolved at start with the other budgets), or None when ``activation_offload`` is "none"."""
-    config = engine.config
+    resolved at start with the other budgets), or None when ``activation_offload`` is "none".
+    Its copies run on the chunk ``store``'s streams; it spills to the store's NVMe directories."""
     tier = config.activation_tier
     if tier == "none":
         return None
-    cuda = engine.device.type == "cuda"
+    cuda = device.type == "cuda"
     area = ActivationArea(budget, pin=cuda and config.pin_memory)
     spill = None
     if tier == "nvme":
-        nvme = engine.store.tiers.get("nvme")
+        nvme = store.tiers.get("nvme")
         if nvme is None:
             raise ConfigError("activation_offload", config.activation_offload, "spills to NVMe: give nvme_paths")
         spill = SpillSpace(nvme.dirs, nvme.aio, nvme.prefix)
-    store = engine.store
-    return ActivationStore(engine.device, area, tier=tier, streams=lambda: store.streams, spill=spill,
+    streams = store.streams
+    return ActivationStore(device, area, tier=tier, streams=lambda: streams, spill=spill,
                            min_bytes=config.activation_min_bytes, prefetch=config.activation_prefetch,
-                           tracer=engine.tracer)
+                           tracer=tracer)

@@ -4,7 +4,9 @@ Forward: a pre-hook pins the module's chunks on the compute device (waiting for 
 from the last step first) and a post-hook unpins them and wraps the outputs so that their
 backward pins the chunks again (``hooks.wrap_for_backward``). Pins taken in backward are
 released once every parameter of the module has its gradient, or when backward ends. Each pin
-tells the trace prefetcher where the iteration is, and it fetches what comes next.
+tells the trace prefetcher where the iteration is, and it fetches what comes next (``pins.py``).
+The root module's forward begins an iteration; the first backward hook begins a backward, and an
+autograd callback ends it (or the next forward or ``zero_grad`` finds it abandoned).
 """
 
 from __future__ import annotations
@@ -16,15 +18,56 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, OffloadError, UnsupportedError
-from ..scheduler import NextUsePolicy
+from .gradients import GradCapture
 from .hooks import map_tensors, wrap_for_backward
+from .pins import DevicePins
+from .pipeline import Parking, StepPipeline
+from .progress import StepProgress
+from .saved import SavedParameterViews
 from .stepper import ScaleGrad
+from .updates import ReadyGradients, UpdateQueue
+
+
+def autograd_running() -> bool:
+    """Whether a backward is running on this thread: no public API (FSDP2 asks the same way)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ModuleHooks:
-    """The forward/backward half of ``OffloadEngine`` (a mixin: state lives on the engine)."""
+    """The hooks on one wrapped model's modules and parameters.
 
-    def _install_hooks(self) -> None:
+    ``pin_budget``: elements a module's pin set may hold with its descendants' parameters
+    (see ``install``). ``gather`` (None in a single process) brings a chunk's parameters from
+    the rank that owns it before the first pin. ``streams`` (None on the CPU): each forward's
+    current stream becomes the compute stream. ``timeline``: the GPU timeline, when tracing.
+    """
+
+    def __init__(self, model: nn.Module, params, pins: DevicePins, progress: StepProgress, updates: UpdateQueue,
+                 ready: ReadyGradients, grads: GradCapture, pipeline: StepPipeline, parking: Parking,
+                 saved: SavedParameterViews, tracer, *, pin_budget: int, gather=None, scaler=None,
+                 streams=None, timeline=None):
+        self.model = model
+        self.params = params
+        self.pins = pins
+        self.progress = progress
+        self.updates = updates
+        self.ready = ready
+        self.grads = grads
+        self.pipeline = pipeline
+        self.parking = parking
+        self.saved = saved
+        self.tracer = tracer
+        self.pin_budget = pin_budget
+        self.gather = gather
+        self.scaler = scaler
+        self.streams = streams
+        self.timeline = timeline
+        self.closed = False
+        self._handles: list = []
+        self._new_backward()
+        self.install()
+
+    def install(self) -> None:
         """Hook every module that owns parameters (and the root).
 
         A module's *pin set* is its own parameters plus, until its first forward has shown
@@ -32,6 +75,8 @@ class ModuleHooks:
         calling the child (``nn.MultiheadAttention`` reads ``out_proj.weight``). After the first
         call, descendants whose own forward ran inside it are dropped from the set.
         """
+        for h in self._handles:
+            h.remove()
         self.pin_sets: dict[nn.Module, list[nn.Parameter]] = {}
         self.module_chunks: dict[nn.Module, list[int]] = {}
         self.module_params: dict[nn.Module, list[nn.Parameter]] = {}
@@ -40,11 +85,8 @@ class ModuleHooks:
         self.discovering: set[nn.Module] = set()
         self.called_within: dict[nn.Module, set[nn.Module]] = defaultdict(set)
         self.active: list[nn.Module] = []
-        self.fwd_pinned: list[tuple[nn.Module, list[int]]] = []
+        self.fwd_pinned: list[tuple[nn.Module, list[int], float]] = []
         self._handles = []
-        # Under N ranks each chunk pinned brings its whole communication group (N chunks).
-        world = self.dp.world if self.dp is not None else 1
-        budget_elems = self.device_budget // (2 * self.params.dtype.itemsize * world)
         for module in self.model.modules():
             own = self._own_params(module)
             if not own and module is not self.model:
@@ -52,7 +94,7 @@ class ModuleHooks:
             pin_set = list(own)
             if module is not self.model:
                 below = [q for d in module.modules() if d is not module for q in self._own_params(d)]
-                if below and sum(q.numel() for q in below) <= budget_elems:
+                if below and sum(q.numel() for q in below) <= self.pin_budget:
                     pin_set = list(dict.fromkeys(own + below))
                     self.discovering.add(module)
             self.module_params[module] = own
@@ -65,6 +107,10 @@ class ModuleHooks:
         for p in self.params.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def close(self) -> None:
+        """The engine closed: a forward from now on raises."""
+        self.closed = True
 
     def _own_params(self, module: nn.Module) -> list[nn.Parameter]:
         own = list(module.parameters(recurse=False)) + list(getattr(module, "_offload_external", []))
@@ -92,19 +138,38 @@ class ModuleHooks:
             return
         ext.append(param)
         module._offload_external = ext
-        for h in self._handles:
-            h.remove()
-        self._install_hooks()
+        self.install()
+
+    # ---- pins --------------------------------------------------------------------------
+    def _pin_updated(self, chunks: list[int]) -> None:
+        """Pin ``chunks`` once their updates from the last step are done (all waits first: one
+        that raises leaves nothing pinned)."""
+        for c in chunks:
+            self.updates.wait(c)
+        for c in chunks:
+            if self.gather is not None and not self.pins.pinned(c):
+                self.gather.ensure(c)
+            self.pins.pin(c)
+
+    def _unpin(self, c: int) -> None:
+        if self.pins.unpin(c):
+            self.ready.unpinned(c)
+
+    def _unpin_all(self) -> None:
+        for c in self.pins.pinned_chunks():
+            while self.pins.pinned(c):
+                self._unpin(c)
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
-        if module is self.model and self.in_backward and not self._autograd_running():
-            self._abort_backward()
-        if module is self.model and not self.in_backward:
-            if self._closed:
+        p = self.progress
+        if module is self.model and p.in_backward and not autograd_running():
+            self.abort_backward()
+        if module is self.model and not p.in_backward:
+            if self.closed:
                 raise OffloadError("this model's offload engine was closed (engine.close()): its values "
                                    "and swap files are gone; wrap a model again to train")
-            if self.dp is not None:
+            if self.gather is not None:
                 self._refuse_ddp()
             self._begin_iteration()
             if torch.is_grad_enabled():
@@ -112,7 +177,7 @@ class ModuleHooks:
         chunks = self.module_chunks[module]
         self._pin_updated(chunks)
         args = self._release_after_own_backward(module, args)
-        if self.in_backward:        # a checkpoint recompute: these pins belong to the backward
+        if p.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
             if module not in self.bwd_remaining:
                 self.bwd_remaining[module] = self.grad_counts[module]
@@ -123,8 +188,8 @@ class ModuleHooks:
         self.active.append(module)
         self.saved.module_started(module, self.grad_counts[module] > 0, args)
         self.fwd_pinned.append((module, chunks, time.perf_counter()))
-        if self.gpu_timeline is not None:
-            self.gpu_timeline.start(("forward", module))
+        if self.timeline is not None:
+            self.timeline.start(("forward", module))
         return args
 
     def _refuse_ddp(self) -> None:
@@ -150,7 +215,7 @@ class ModuleHooks:
         return wrap_for_backward(args, lambda m=module: self._release_backward_pins(m))
 
     def _post_forward(self, module: nn.Module, args, output):
-        if self.in_backward:
+        if self.progress.in_backward:
             return output
         self.saved.module_ended(module)
         for i in range(len(self.fwd_pinned) - 1, -1, -1):
@@ -159,15 +224,15 @@ class ModuleHooks:
                 if self.tracer.enabled:
                     self.tracer.complete(f"forward {type(module).__name__}", "compute", started,
                                          time.perf_counter(), "compute")
-                if self.gpu_timeline is not None:
-                    self.gpu_timeline.stop(("forward", module), f"forward {type(module).__name__}")
+                if self.timeline is not None:
+                    self.timeline.stop(("forward", module), f"forward {type(module).__name__}")
                 break
         else:
             chunks = []
         if module in self.active:
             self.active.remove(module)
         for c in chunks:
-            self.params.unpin(c)
+            self._unpin(c)
         if module in self.discovering:
             self._finish_discovery(module)
         if module is self.model:
@@ -186,138 +251,77 @@ class ModuleHooks:
         self.saved.exit()
         for _, chunks, _ in self.fwd_pinned:
             for c in chunks:
-                self.params.unpin(c)
+                self._unpin(c)
         self.active.clear()
         self.fwd_pinned.clear()
-        if self.window_applied:
+        if self.progress.applied:
             raise OffloadError(
                 "a new forward started after backward already applied an optimizer update that "
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
-        if self.store.streams is not None:
-            self.store.streams.capture()     # this forward's stream is the compute stream
-        self.prefetcher.begin_iteration()
+        if self.streams is not None:
+            self.streams.capture()     # this forward's stream is the compute stream
+        self.pins.begin_iteration()
         if self.gather is not None:
             self.gather.begin_iteration()
-        self.fwd_tail_wait_s = 0.0
-        self.fwd_wait_start = self.tracer.totals["wait"]
-        self.fwd_started = time.perf_counter()
-        if isinstance(self.policy, NextUsePolicy):
-            self.policy.set_trace(self.prefetcher.trace)
-
-    def _pin_updated(self, chunks: list[int]) -> None:
-        """Pin ``chunks`` once their updates from the last step are done (all waits first: one
-        that raises leaves nothing pinned)."""
-        for c in chunks:
-            self._await_update(c)
-        for c in chunks:
-            self.params.pin(c)
-
-    def _await_update(self, c: int) -> None:
-        # The update of a chunk may still be running from the last step (optimizer.step() does
-        # not wait for it): its parameters are new only once it is done.
-        if self.adam.pending(c):
-            started = time.perf_counter()
-            with self.tracer.span(f"await update {c}", "wait", chunk=c):
-                self.adam.wait_for(c)
-            if not self.in_backward and c not in self.parked:
-                self.fwd_tail_wait_s += time.perf_counter() - started
-
-    def _deadline(self, c: int) -> float:
-        """When the next iteration first uses chunk ``c`` (trace position; chunk order before a trace)."""
-        trace = self.prefetcher.trace
-        return trace.next_use(("param", c), 0) if trace is not None else float(c)
-
-    def _on_pin(self, c: int, hit: bool) -> None:
-        self.prefetcher.record_hit(hit)
-        upcoming = self.prefetcher.on_access(("param", c))
-        if isinstance(self.policy, NextUsePolicy):
-            self.policy.position = self.prefetcher.position
-        for key in upcoming:
-            if key[0] == "param" and self.adam.pending(key[1]):
-                continue        # its update writes the new values in memory; a read now would be stale
-            self.store.prefetch(key, "device")
+        self.parking.forward_started()
 
     # ---- backward ----------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module) -> None:
-        if not self.in_backward:
-            self._begin_backward()
+        if not self.progress.in_backward:
+            self.pipeline.begin_backward()
+            # Run once this backward ends. torch has no public API for it; FSDP2 and DDP use this one.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._pin_updated(self.module_chunks[module])
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
             self.bwd_remaining[module] = self.grad_counts[module]
         if module not in self.bwd_started:
             self.bwd_started[module] = time.perf_counter()
-            if self.gpu_timeline is not None:
-                self.gpu_timeline.start(("backward", module))
+            if self.timeline is not None:
+                self.timeline.start(("backward", module))
 
-    def _begin_backward(self) -> None:
-        self.in_backward = True
-        final_micro_batch = self.micro_batches + 1 >= self.config.gradient_accumulation_steps
-        self.final_micro_batch = final_micro_batch
-        self.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
-                      and not self.optimizer.defers_update() and final_micro_batch)
-        if self.eager:
-            self._refresh_hypers()
-        self.parked = self._chunks_to_park() if self.eager and self.spills else set()
-        # Run once this backward ends. torch has no public API for it; FSDP2 and DDP use this one.
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.grads.capture(p):
+            return
+        for module in self.param_modules[id(p)]:
+            if module in self.bwd_remaining:
+                self.bwd_remaining[module] -= 1
+                if self.bwd_remaining[module] <= 0:
+                    self._release_backward_pins(module)
 
     def _release_backward_pins(self, module: nn.Module) -> None:
         started = self.bwd_started.pop(module, None)
         if started is not None and self.tracer.enabled:
             self.tracer.complete(f"backward {type(module).__name__}", "compute", started,
                                  time.perf_counter(), "compute")
-        if started is not None and self.gpu_timeline is not None:
-            self.gpu_timeline.stop(("backward", module), f"backward {type(module).__name__}")
+        if started is not None and self.timeline is not None:
+            self.timeline.stop(("backward", module), f"backward {type(module).__name__}")
         for _ in range(self.bwd_pins.pop(module, 0)):
             for c in self.module_chunks[module]:
-                self.params.unpin(c)
+                self._unpin(c)
         self.bwd_remaining.pop(module, None)
 
     def _end_backward(self) -> None:
-        for c in list(self.grad_views):
-            self._finish_grad_chunk(c)
-        if self.reducer is not None and self.final_micro_batch:
-            self.reducer.flush()
-            self.window_reduced = True
+        self.grads.end_backward()
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
-        self.params.unpin_all()
-        if self.final_micro_batch:
-            self.drop_gathered()        # the owners update their chunks now
-        for c in sorted(self.ready | (self.parked & self.grad_chunks)):
-            self._submit(c)
-        self.adam.reorder(self._deadline)
-        self.micro_batches += 1
-        self._bwd_reset()
+        self._unpin_all()
+        self.pipeline.end_backward()
+        self._new_backward()
 
-    @staticmethod
-    def _autograd_running() -> bool:
-        # Whether a backward is running on this thread: no public API (FSDP2 asks the same way).
-        return torch._C._current_graph_task_id() != -1
-
-    def _abort_backward(self) -> None:
+    def abort_backward(self) -> None:
         """A backward raised, so its end-of-backward callback never ran: release what it held.
         Gradients accumulated so far stay, as they would in ``.grad`` with plain PyTorch."""
-        for c in list(self.grad_views):
-            self.grad_views.pop(c)
-            self.store.release(("grad", c), "device", dirty=True)
-        if self.reducer is not None:
-            self.reducer.abort()
+        self.grads.abort()
         for module in list(self.bwd_pins):
             self._release_backward_pins(module)
-        self.params.unpin_all()
-        self.ready.clear()
-        self._bwd_reset()
+        self._unpin_all()
+        self.progress.ready.clear()
+        self.progress.new_backward()
+        self._new_backward()
 
-    def _bwd_reset(self) -> None:
-        self.in_backward = False
-        self.eager = False
-        self.final_micro_batch = False
+    def _new_backward(self) -> None:
         self.bwd_pins: dict[nn.Module, int] = defaultdict(int)
         self.bwd_remaining: dict[nn.Module, int] = {}
         self.bwd_started: dict[nn.Module, float] = {}
-        self.bwd_grads: dict[int, int] = defaultdict(int)
-        self.grad_views: dict[int, torch.Tensor] = {}
-

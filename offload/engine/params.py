@@ -1,9 +1,10 @@
-"""Parameters as views into chunks: the layout, the initial fill, and per-chunk pins on the device.
+"""The chunked parameters: where each parameter lives in the chunks, their initial fill, and their values.
 
-A ``nn.Parameter`` keeps its identity for the whole run; only its ``.data`` changes. While its
-chunk is pinned on the compute device, ``.data`` is a view into the chunk's device buffer;
-otherwise it is a zero-element placeholder of the right dtype and device, so a use outside the
-engine's control fails loudly instead of reading stale memory.
+``ChunkedParams`` registers the ``param`` (compute dtype) and ``master`` (fp32) chunks of one
+model in the store, fills them from the model (or from a ``lazy_init`` record, module by module)
+and reads or writes parameter values by chunk (``gather_all``, ``scatter``: ``state_dict()``,
+checkpoints, loaders). Under several ranks it keeps only the chunks this rank owns, and reading a
+value is a collective. Parameters viewing their chunk on the device are ``pins.py``'s.
 """
 
 from __future__ import annotations
@@ -26,17 +27,20 @@ class ParamRef:
 
 
 class ChunkedParams:
-    """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model."""
+    """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model.
+
+    ``placeholder``: what a parameter's ``.data`` is when no chunk is viewed (``ParamViews``).
+    Under data parallelism, ``sharding`` says which chunks this rank keeps, and ``comms`` (on
+    ``comm_device``) brings the others' values when they are read.
+    """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
-                 compute_dtype: torch.dtype, device: torch.device, on_pin=None, on_unpinned=None, tracer=None,
-                 sharding=None):
+                 compute_dtype: torch.dtype, *, placeholder: torch.Tensor, sharding=None, comms=None,
+                 comm_device: torch.device = torch.device("cpu")):
         self.layout = layout
         self.store = store
         self.dtype = compute_dtype
-        self.device = device
         self.has_master = compute_dtype != torch.float32
-        self.tier = store.tier_name("device")     # where compute reads parameters
         self.params: list[nn.Parameter] = [p for _, p in named]
         self.refs: dict[int, ParamRef] = {}
         for i, (name, p) in enumerate(named):
@@ -44,19 +48,11 @@ class ChunkedParams:
         self.chunk_members: list[list[nn.Parameter]] = [[] for _ in range(layout.num_chunks)]
         for p in self.params:
             self.chunk_members[self.refs[id(p)].slot.chunk].append(p)
-        self.pins = [0] * layout.num_chunks
-        self.pinned_buffers: dict[int, int] = {}   # device buffer address -> chunk, while attached
-        self.attached: dict[int, int] = {}         # chunk -> device buffer address its parameters view
-        self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
-        self.on_pin = on_pin            # callback(chunk, hit: bool) for prefetch statistics
-        self.tracer = tracer
-        self.on_unpinned = on_unpinned  # callback(chunk) when its last pin goes
-        # Data parallel (offload.distributed): this rank keeps only the chunks it owns; the
-        # others' parameters are gathered by ``ensure(chunk)`` before a pin needs them.
+        self._placeholder = placeholder
         self.sharding = sharding
-        self.ensure = None
-        self.comms = None       # offload.distributed.comms.Collectives, under several ranks
-        self.comm_device = torch.device("cpu")     # where collectives take their tensors
+        self.comms = comms
+        self.comm_device = comm_device
+        self._register_chunks()
 
     def keeps(self, c: int) -> bool:
         """Whether this rank stores chunk ``c`` (its parameters, master and optimizer state)."""
@@ -68,7 +64,7 @@ class ChunkedParams:
     def owns(self, p: nn.Parameter) -> bool:
         return id(p) in self.refs
 
-    def register_chunks(self) -> None:
+    def _register_chunks(self) -> None:
         sizes = dict(enumerate(self.layout.sizes))
         self.store.register_chunks("param", {c: n for c, n in sizes.items() if self.keeps(c)}, self.dtype)
         borrowed = {c: n for c, n in sizes.items() if not self.keeps(c)}
@@ -191,59 +187,6 @@ class ChunkedParams:
         self.store.initialize(("param", c), tier, lambda v: v.copy_(values.to(self.dtype)))
         if self.master_kind(c) == "master":
             self.store.initialize(("master", c), tier, lambda v: v.copy_(values))
-
-    # ---- pins on the compute device ---------------------------------------
-    def pin(self, c: int) -> None:
-        """Pin chunk ``c`` on the device and make its parameters view it.
-
-        The views stay after the last unpin (``attached``): the next module using the chunk only
-        re-pins it. They go (``detach``) when the store frees that device buffer.
-        """
-        if self.pins[c] == 0:
-            if self.ensure is not None:
-                self.ensure(c)
-            hit = self.store.landed(("param", c), self.tier)
-            if self.tracer is not None:
-                with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
-                    view = self.store.access(("param", c), self.tier)
-            else:
-                view = self.store.access(("param", c), self.tier)
-            if c not in self.attached:
-                for p in self.chunk_members[c]:
-                    s = self.ref(p).slot
-                    p.data = view[s.offset:s.end].view(s.shape)
-                self.pinned_buffers[view.untyped_storage().data_ptr()] = c
-                self.attached[c] = view.untyped_storage().data_ptr()
-            if self.on_pin is not None:
-                self.on_pin(c, hit)
-        self.pins[c] += 1
-
-    def unpin(self, c: int) -> None:
-        if self.pins[c] <= 0:
-            return
-        self.pins[c] -= 1
-        if self.pins[c] == 0:
-            self.store.release(("param", c), self.tier)
-            if self.on_unpinned is not None:
-                self.on_unpinned(c)
-
-    def detach(self, c: int) -> None:
-        """Point chunk ``c``'s parameters at the placeholder (its device buffer is going away)."""
-        ptr = self.attached.pop(c, None)
-        if ptr is None:
-            return
-        for p in self.chunk_members[c]:
-            p.data = self._placeholder
-        self.pinned_buffers.pop(ptr, None)
-
-    def on_store_free(self, key, tier: str) -> None:
-        if key[0] == "param" and tier == self.tier:
-            self.detach(key[1])
-
-    def unpin_all(self) -> None:
-        for c in range(len(self.pins)):
-            while self.pins[c]:
-                self.unpin(c)
 
     # ---- values (state_dict) ------------------------------------------------
     def gather_all(self, kind: str | None = None, params=None) -> dict[int, torch.Tensor]:

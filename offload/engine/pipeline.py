@@ -1,9 +1,10 @@
 """The optimizer step pipeline: the accumulation window, parking, clipping, ``step()`` and ``zero_grad()``.
 
-The chunks' updates run on ``ChunkAdam`` (stepper.py). This half of the engine decides when:
-queued during backward when nothing needs the global norm, else here in ``step()`` with the
-norm applied; which updates wait to overlap the next forward (parking); and what a step
-leaves behind (gradients consumed, statistics).
+The chunks' updates run on ``ChunkAdam`` (stepper.py) through the ``UpdateQueue`` (updates.py).
+This part decides when: whether a backward is eager (updates queued as its gradient chunks
+complete, when nothing needs the global norm) or not (``step()`` then updates every chunk with
+the norm applied); which updates wait to overlap the next forward (``Parking``); and what a step
+leaves behind (gradients consumed, a new window).
 """
 
 from __future__ import annotations
@@ -15,83 +16,132 @@ import torch
 
 from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
-from .stepper import hyper_of
+from .progress import StepProgress
+from .updates import UpdateQueue
 
-# Most chunks one step adds to the parked count (see _chunks_to_park).
+# Most chunks one step adds to the parked count (see Parking.choose).
 PARK_GROWTH = 4
 
 
+class Parking:
+    """How many chunks' updates wait for the end of backward and then overlap the next forward.
+
+    When the disk bounds the optimizer, backward outruns it and waits (``wait_backlog``), while
+    during forward the disk only reads parameters. The chunks backward finishes first are the ones
+    the next forward uses last: their updates can run while that forward runs, and backward, with
+    fewer updates ahead of it, waits less. How many is learned step by step: more by the updates
+    that would have fit in the time the worker sat idle during forward (at most PARK_GROWTH a
+    step), one fewer when forward stalled longer than an update or the last backward did not wait
+    for the optimizer (compute is the bottleneck: parking would only add traffic).
+    """
+
+    def __init__(self, adam, tracer, prefetcher, trainable: list[int], deadline):
+        self.adam = adam
+        self.tracer = tracer
+        self.prefetcher = prefetcher
+        self.trainable = list(trainable)        # frozen chunks have no update to park
+        self.deadline = deadline                # chunk -> when the next forward first uses it
+        self.count = 0
+        self.forward_started()
+
+    def forward_started(self) -> None:
+        """A forward begins: its stalls are measured from here."""
+        self.tail_wait_s = 0.0          # this forward's waits for updates it needed (not parked ones)
+        self.wait_at_start = self.tracer.totals["wait"]
+        self.started_at = time.perf_counter()
+
+    def forward_waited(self, seconds: float) -> None:
+        self.tail_wait_s += seconds
+
+    def choose(self) -> set[int]:
+        """The chunks to park in the backward starting now (none before there is a trace)."""
+        if self.prefetcher.trace is None:
+            return set()
+        u = self.adam.update_s
+        stall = self.tracer.totals["wait"] - self.wait_at_start - self.tail_wait_s
+        # Idle time before this forward began (an eval loop, a checkpoint) says nothing about it.
+        idle = min(self.adam.idle_s(), time.perf_counter() - self.started_at)
+        # Parking only pays when the last backward waited for the optimizer (wait_backlog).
+        throttled, self.adam.backlog_wait_s = self.adam.backlog_wait_s, 0.0
+        if u > 0:
+            if stall > u or throttled < u:
+                self.count -= 1
+            else:
+                self.count += min(PARK_GROWTH, int(idle / (2 * u)))
+        self.count = min(max(self.count, 0), len(self.trainable) // 2)
+        if self.count == 0:
+            return set()
+        by_deadline = sorted(self.trainable, key=self.deadline)
+        return set(by_deadline[-self.count:])
+
+
 class StepPipeline:
-    """The optimizer half of ``OffloadEngine`` (a mixin: state lives on the engine)."""
+    """The optimizer side of each backward, ``step()`` and ``zero_grad()`` for one engine.
 
-    def _reset_window(self) -> None:
-        self.micro_batches = 0
-        self.with_grad: set[int] = set()
-        self.grad_chunks: set[int] = set()
-        self.updated_chunks: set[int] = set()
-        self.ready: set[int] = set()
-        self.sumsq: dict[int, torch.Tensor] = {}
-        self.window_applied = False
-        self.window_reduced = False     # data parallel: this window's gradients are with their owners
+    ``gather`` and ``reducer`` (None in a single process) move parameters and gradients between
+    ranks; ``comms`` (on ``comm_device``) sums the norm's parts.
+    """
 
-    # ---- optimizer --------------------------------------------------------------------------
+    def __init__(self, progress: StepProgress, store, policy, adam, updates: UpdateQueue, parking: Parking,
+                 pins, *, config, layout, scaler, spills: bool, gather=None, reducer=None, comms=None,
+                 comm_device: torch.device = torch.device("cpu")):
+        self.progress = progress
+        self.store = store
+        self.policy = policy
+        self.adam = adam
+        self.updates = updates
+        self.parking = parking
+        self.pins = pins
+        self.config = config
+        self.layout = layout
+        self.scaler = scaler
+        self.spills = spills
+        self.gather = gather
+        self.reducer = reducer
+        self.comms = comms
+        self.comm_device = comm_device
+        self.optimizer = None
+
     def attach_optimizer(self, optimizer) -> None:
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ConfigError("optimizer", type(optimizer).__name__,
                               "this model already has an offload optimizer; create one per wrapped model")
         self.optimizer = optimizer
-        self._group_of = {}
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if self.params.owns(p):
-                    self._group_of[self.params.ref(p).index] = gi
+        self.updates.attach(optimizer)
 
-    def _refresh_hypers(self) -> None:
-        """Read lr and friends from the param groups once (a scheduler may have changed them);
-        every chunk updated until the next refresh uses these."""
-        groups = [hyper_of(g) for g in self.optimizer.param_groups]
-        self._hyper_of = {i: groups[gi] for i, gi in self._group_of.items()}
+    def drop_gathered(self) -> None:
+        """Under several ranks, free the parameter chunks gathered from other ranks: their owners
+        are about to change them (an update, a load). A no-op in a single process."""
+        if self.gather is not None:
+            self.gather.drop_all()
 
-    def _chunks_to_park(self) -> set[int]:
-        """The chunks whose updates wait for the end of backward and then overlap the next forward.
+    # ---- each backward ----------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        p = self.progress
+        p.in_backward = True
+        p.final_micro_batch = p.micro_batches + 1 >= self.config.gradient_accumulation_steps
+        p.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
+                   and not self.optimizer.defers_update() and p.final_micro_batch)
+        if p.eager:
+            self.updates.refresh_hypers(self.optimizer.param_groups)
+        p.parked = self.parking.choose() if p.eager and self.spills else set()
 
-        When the disk bounds the optimizer, backward outruns it and waits (``wait_backlog``),
-        while during forward the disk only reads parameters. The chunks backward finishes first
-        are the ones the next forward uses last: their updates can run while that forward runs,
-        and backward, with fewer updates ahead of it, waits less. How many is learned step by
-        step: more by the updates that would have fit in the time the worker sat idle during
-        forward (at most PARK_GROWTH a step), one fewer when forward stalled longer than an update
-        or the last backward did not wait for the optimizer (compute is the bottleneck: parking
-        would only add traffic).
-        """
-        trace = self.prefetcher.trace
-        if trace is None:
-            return set()
-        u = self.adam.update_s
-        stall = self.tracer.totals["wait"] - self.fwd_wait_start - self.fwd_tail_wait_s
-        # Idle time before this forward began (an eval loop, a checkpoint) says nothing about it.
-        idle = min(self.adam.idle_s(), time.perf_counter() - self.fwd_started)
-        # Parking only pays when the last backward waited for the optimizer (wait_backlog).
-        throttled, self.adam.backlog_wait_s = self.adam.backlog_wait_s, 0.0
-        if u > 0:
-            if stall > u or throttled < u:
-                self.park_count -= 1
-            else:
-                self.park_count += min(PARK_GROWTH, int(idle / (2 * u)))
-        trainable = self.layout.trainable_chunks         # frozen chunks have no update to park
-        self.park_count = min(max(self.park_count, 0), len(trainable) // 2)
-        if self.park_count == 0:
-            return set()
-        by_deadline = sorted(trainable, key=self._deadline)
-        return set(by_deadline[-self.park_count:])
+    def end_backward(self) -> None:
+        """After the gradients are captured and the pins let go: queue what waits, in the order
+        the next forward uses the chunks."""
+        if self.progress.final_micro_batch:
+            self.drop_gathered()        # the owners update their chunks now
+        self.updates.submit_waiting()
+        self.adam.reorder(self.pins.deadline)
+        self.progress.micro_batches += 1
+        self.progress.new_backward()
 
-    def _runs(self, c: int):
-        return self.adam.runs(c, self.with_grad, self._hyper_of)
-
+    # ---- the step ---------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients of this accumulation window."""
+        sumsq = self.progress.sumsq
         # One device sync for all chunks, not one per chunk.
-        local = torch.stack(list(self.sumsq.values())).sum().float() if self.sumsq else torch.zeros(())
+        local = torch.stack(list(sumsq.values())).sum().float() if sumsq else torch.zeros(())
         if self.comms is not None:      # each rank holds its own chunks' part: one all-reduce
             local = self.comms.all_reduce(local.reshape(1).to(self.comm_device)).cpu()
         total = float(local.sum())
@@ -102,20 +152,21 @@ class StepPipeline:
         """Finish this window's update; returns False when an fp16 overflow skipped it."""
         if self.optimizer is None:
             raise OffloadError("no offload optimizer is attached to this model")
-        if self.window_applied and not (self.grad_chunks - self.updated_chunks):
+        p = self.progress
+        if p.applied and not (p.grad_chunks - p.updated_chunks):
             # Every chunk's update is queued already: those still running finish while the next
-            # forward runs, each before that forward first uses its chunk (_await_update). Their
+            # forward runs, each before that forward first uses its chunk (UpdateQueue.wait). Their
             # parameters read as the empty placeholder until then, never half-updated values.
             self.adam.raise_error()
             for c in self.adam.pending_chunks():
-                self.params.detach(c)
+                self.pins.detach(c)
         else:
             self.adam.drain()
-        if self.reducer is not None and not self.window_reduced and self.grad_chunks:
+        if self.reducer is not None and not p.reduced and p.grad_chunks:
             # No final micro-batch ran (step() came before the configured accumulation count):
             # the gradients are still each rank's own. Every rank has some (the same chunks).
             self.reducer.flush()
-            self.window_reduced = True
+            p.reduced = True
         self.drop_gathered()            # the owners update their chunks now
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
@@ -128,47 +179,42 @@ class StepPipeline:
         if overflow:
             applied = False
         else:
-            self._refresh_hypers()
+            self.updates.refresh_hypers(self.optimizer.param_groups)
             scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
             if max_norm is not None:
                 total = norm if clip is None else clip[1]
                 self.optimizer.last_grad_norm = total
                 scale *= min(1.0, max_norm / (total + 1e-6))
-            todo = sorted(self.grad_chunks - self.updated_chunks)
+            todo = sorted(p.grad_chunks - p.updated_chunks)
             depth = max(1, self.config.prefetch_depth)
             for i, c in enumerate(todo):
                 for nxt in todo[i + 1:i + 1 + depth]:
                     self.adam.prefetch(nxt)
-                self.adam.update(c, self._runs(c), scale)
-                self.updated_chunks.add(c)      # a step retried after an error skips it
-            self.adam.commit_steps({i for i in self.with_grad if i in self._group_of})
-            self.step_count += 1
+                self.adam.update(c, self.updates.runs(c), scale)
+                p.updated_chunks.add(c)      # a step retried after an error skips it
+            self.updates.commit_steps()
         if self.scaler is not None:
             self.scaler.update(overflow)
         with self.store.lock:
             # Hints of chunks whose update is still queued hold until it runs (then it accesses them).
             self.policy.keep_hints(lambda key: self.adam.pending(key[1]))
-        self._finish_step_stats(applied)
         if applied:
             # The update consumed this window's gradients: the next backward starts from zero,
             # whether or not zero_grad() is called (as with DeepSpeed's engine).
-            self._release_grads()
-            self._reset_window()
-        self.window_applied = False
-        self.micro_batches = 0
-        self.updated_chunks = set()
+            self.release_grads()
+            p.new_window()
+        p.applied = False
+        p.micro_batches = 0
+        p.updated_chunks = set()
         return applied
 
     def zero_grad(self) -> None:
-        if self.in_backward and not self._autograd_running():
-            self._abort_backward()
         self.adam.raise_error()
-        self._release_grads()
-        self._reset_window()
+        self.release_grads()
+        self.progress.new_window()
 
-    def _release_grads(self) -> None:
+    def release_grads(self) -> None:
         for c in self.layout.trainable_chunks:
             rec = self.store.records[("grad", c)]
             if rec.state is not ChunkState.FREE and not self.adam.pending(c):   # a queued update frees its own
                 self.store.release_storage(("grad", c))
-

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Callable
+
 from ..activations import module_saves
-from .params import ChunkedParams
+from .pins import DevicePins
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +34,18 @@ class SavedChunkView:
 
 
 class SavedParameterViews:
-    """``enter()`` at the start of the model's forward, ``exit()`` at its end (or the next start)."""
+    """``enter()`` at the start of the model's forward, ``exit()`` at its end (or the next start).
 
-    def __init__(self, params: ChunkedParams, device: torch.device, activations=None):
-        self.params = params
+    ``ensure(c)``: under several ranks, brings chunk ``c``'s parameters to this rank before a
+    pin needs them (``GroupGather.ensure``); None in a single process.
+    """
+
+    def __init__(self, pins: DevicePins, dtype: torch.dtype, device: torch.device, activations=None, *,
+                 ensure: Callable[[int], None] | None = None):
+        self.pins = pins
+        self.dtype = dtype
         self.device = device
+        self.ensure = ensure
         self.activations = activations
         self.boundaries = activations.boundaries if activations is not None else None
         self._hooks = None
@@ -73,11 +82,11 @@ class SavedParameterViews:
             base = t.untyped_storage().data_ptr()
         except RuntimeError:
             return t
-        c = self.params.pinned_buffers.get(base)
+        c = self.pins.chunk_viewed_at(base)
         if c is None:
             acts = self.activations
             return acts.pack(t) if acts is not None and acts.wants(t) else t
-        if t.dtype != self.params.dtype:
+        if t.dtype != self.dtype:
             return t.clone()       # a reinterpreting view: keep a private copy
         offset = (t.data_ptr() - base) // t.element_size()
         return SavedChunkView(c, offset, tuple(t.size()), tuple(t.stride()))
@@ -85,8 +94,10 @@ class SavedParameterViews:
     def unpack(self, packed):
         if not isinstance(packed, SavedChunkView):
             return self.activations.unpack(packed) if self.activations is not None else packed
-        if self.params.pins[packed.chunk] == 0:
-            # Used outside the hooks' view: pinned until the backward ends (unpin_all there).
-            self.params.pin(packed.chunk)
-        view = self.params.store.view(("param", packed.chunk), self.params.tier)
-        return torch.as_strided(view, packed.size, packed.stride, packed.offset)
+        c = packed.chunk
+        if self.pins.count(c) == 0:
+            # Used outside the hooks' view: pinned until the backward ends (its unpin-all).
+            if self.ensure is not None:
+                self.ensure(c)
+            self.pins.pin(c)
+        return torch.as_strided(self.pins.view(c), packed.size, packed.stride, packed.offset)

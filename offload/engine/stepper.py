@@ -90,13 +90,23 @@ class ScaleGrad(torch.autograd.Function):
 
 
 class ChunkAdam:
-    """Runs Adam on whole chunks, inline or on a worker thread."""
+    """Runs Adam on whole chunks of ``params`` in ``store``, inline or on a worker thread.
 
-    def __init__(self, engine, threads: int | None):
-        self.engine = engine
-        self.store = engine.store
+    ``threads``: the kernel's (None: all cores). ``read_ahead``: how many queued chunks' inputs
+    are fetched ahead. ``device``: the engine's, made current on the worker. ``spills``: the
+    persistent state does not all fit in memory, so each update writes its state down at once.
+    """
+
+    def __init__(self, params, store, tracer, *, threads: int | None, read_ahead: int, device: torch.device,
+                 spills: bool):
+        self.params = params
+        self.store = store
+        self.tracer = tracer
         self.threads = threads
-        self.steps = [0] * len(engine.params.params)     # per parameter, as torch counts them
+        self.read_ahead = read_ahead
+        self.device = device
+        self.spills = spills
+        self.steps = [0] * len(params.params)     # per parameter, as torch counts them
         self._queue: queue.PriorityQueue | None = None
         self._order = itertools.count()             # ties between equal deadlines go first come, first served
         self._worker: threading.Thread | None = None
@@ -116,7 +126,7 @@ class ChunkAdam:
         merged parameters holds zeros in every kind, which Adam maps to zeros.
         """
         out: list[list] = []
-        params = self.engine.params
+        params = self.params
         for p in params.chunk_members[c]:
             ref = params.ref(p)
             if ref.index not in with_grad or ref.index not in groups:   # no gradient, or not ours to update
@@ -132,17 +142,17 @@ class ChunkAdam:
 
     def prefetch(self, c: int) -> None:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
-        if not self.engine.params.keeps(c):
+        if not self.params.keeps(c):
             return      # another rank's chunk: its owner updates it
-        kinds = ["grad", "master" if self.engine.params.has_master else "param", *STATE_KINDS]
+        kinds = ["grad", "master" if self.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
 
     def update(self, c: int, runs, grad_scale: float) -> None:
         if not runs:
             return
-        store, params = self.store, self.engine.params
-        tracer = self.engine.tracer
+        store, params = self.store, self.params
+        tracer = self.tracer
         master_kind = "master" if params.has_master else "param"
         pinned = []
 
@@ -177,7 +187,7 @@ class ChunkAdam:
         # The update consumed the window's gradients (optimizer.step() does, as DeepSpeed's engine
         # does): free their chunk now rather than let a tier write it down to make room.
         store.release_storage(("grad", c))
-        if self.engine.spills:
+        if self.spills:
             # The state will not stay in memory until the next step: start writing it down now,
             # while the next chunk is updated, so that its eviction later costs nothing.
             for key, dirty in pinned:
@@ -187,8 +197,8 @@ class ChunkAdam:
     def _copy_skipped(self, c, master, out, runs) -> None:
         # Runs and parameters are both in offset order: walk them together.
         i = 0
-        for p in self.engine.params.chunk_members[c]:
-            s = self.engine.params.ref(p).slot
+        for p in self.params.chunk_members[c]:
+            s = self.params.ref(p).slot
             while i < len(runs) and runs[i][1] <= s.offset:
                 i += 1
             if i == len(runs) or runs[i][0] > s.offset:
@@ -205,9 +215,9 @@ class ChunkAdam:
             self._queue = queue.PriorityQueue()
             self._worker = threading.Thread(target=self._run, name="offload-adam", daemon=True)
             self._worker.start()
-        # Chunk c's own inputs were asked for when its gradients completed (the engine's
-        # _finish_grad_chunk); these are the next ones backward will complete.
-        for ahead in range(c - 1, max(-1, c - 1 - self.engine.config.prefetch_depth), -1):
+        # Chunk c's own inputs were asked for when its gradients completed (ReadyGradients.take);
+        # these are the next ones backward will complete.
+        for ahead in range(c - 1, max(-1, c - 1 - self.read_ahead), -1):
             self.prefetch(ahead)      # backward completes chunks in reverse order
         with self._progress:
             self._pending.add(c)
@@ -257,7 +267,7 @@ class ChunkAdam:
     def _run(self) -> None:
         # First of all: this thread's CUDA calls (event queries, the copies of the chunks it
         # accesses) go to the engine's GPU, not to GPU 0 where they would create a context.
-        use_device(self.engine.device)
+        use_device(self.device)
         # The kernel runs on its own pthreads; the few torch ops here stay on this thread. Letting
         # them fork an OpenMP team of their own would give libgomp more threads than cores, and it
         # then stops spinning between parallel regions: every op of forward and backward on the
@@ -290,7 +300,7 @@ class ChunkAdam:
         # disk), the chunks queued here are the next ones to update: keep their inputs coming.
         # The fetches asked for when they were submitted were skipped if there was no room then,
         # and nothing else would ask again before the update waits for them one by one.
-        depth = self.engine.config.prefetch_depth
+        depth = self.read_ahead
         with self._queue.mutex:     # the training thread may be queueing more meanwhile
             queued = [item[2] for item in heapq.nsmallest(depth, self._queue.queue) if item[2] is not None]
         for c in queued:

@@ -8,7 +8,7 @@ in place, which these disks do ~1.7x faster than writing fresh blocks.
 The files have no name (see ``swapfiles``): they are created in a private directory, unlinked
 at once and reached through their descriptors, so they cannot outlive the process — a
 ``kill -9`` frees their space like a clean exit does — and removing or renaming the NVMe
-directory mid-run does not disturb them.
+directory mid-run does not disturb them. Only ``close(remove=False)`` names them, to keep them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from ..config import AioConfig
 from ..errors import ConfigError, TierFullError
 from .moves import Move
-from .swapfiles import private_dir, reclaim_stale, remove_private_dir
+from .swapfiles import keep, private_dir, reclaim_stale, remove_private_dir
 
 SLOT_ALIGN = 4096
 
@@ -145,11 +145,24 @@ class NvmeTier:
             self.recording.append(IoRecord(slot, False, urgent))
         return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
 
-    def close(self, remove: bool = True) -> None:
-        """Close the I/O engine and the swap files. They have no name, so closing them frees
-        their space whatever ``remove`` says (kept for callers of older versions)."""
+    def close(self, remove: bool = True) -> list[str]:
+        """Close the I/O engine and the swap files, which frees their space; ``remove=False``
+        keeps them instead, named ``<dir>/<prefix>-<group>.swp`` in each NVMe directory (see
+        ``swapfiles.keep``: a file that cannot be kept raises ``NvmeIOError`` once all is closed).
+        Returns the kept paths."""
+        kept, error = [], None
+        if not remove and self._finalizer.alive:
+            self.aio.close()        # every request started has landed: the files are as written
+            for file in self.files.values():
+                try:
+                    kept += keep(file, self.dirs)
+                except OSError as exc:
+                    error = error or exc
         self._finalizer()
         self.in_use = 0
+        if error is not None:
+            raise error
+        return kept
 
     def describe(self) -> dict:
         return {"budget": self.budget, "in_use": self.in_use, "reserved": self.in_use,

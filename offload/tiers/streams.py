@@ -17,8 +17,8 @@ host blocking where the GPU can wait instead:
 - whichever thread issues work (the training thread, autograd's, the Adam worker, a checkpoint
   writer), ordering goes through the captured compute stream, not that thread's current stream.
 
-The same small protocol (``copy``, ``compute_fence``, ``compute_wait``, ``on_compute``) is what
-the chunk store uses; tests drive it with a simulation that runs copies on threads.
+The same small protocol (``CopyStreams``) is what the chunk store and the engine use; tests drive
+it with simulations that run copies on threads or only when told (``tests/sim_streams.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ class Fence(Protocol):
 
 
 class CopyStreams(Protocol):
+    """What the chunk store and the engine need of copy streams (``DeviceStreams`` on a GPU)."""
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Fence], *, upload: bool,
              name: str = "") -> Fence: ...
 
@@ -46,6 +48,10 @@ class CopyStreams(Protocol):
     def compute_wait(self, fence: Fence) -> None: ...
 
     def on_compute(self): ...
+
+    def capture(self) -> None: ...
+
+    def receive(self, t: torch.Tensor) -> None: ...
 
 
 class DeviceStreams:
@@ -106,6 +112,19 @@ class DeviceStreams:
         """Device work issued inside runs on the compute stream, whatever thread issues it."""
         with torch.cuda.stream(self.compute):
             yield
+
+
+@contextmanager
+def compute_on(streams: CopyStreams | None, received: torch.Tensor | None = None) -> Iterator[None]:
+    """Device work issued inside runs on ``streams``' compute stream (a no-op without streams);
+    ``received``: a tensor made on the calling thread's current stream that it reads."""
+    if streams is None:
+        yield
+        return
+    if received is not None:
+        streams.receive(received)
+    with streams.on_compute():
+        yield
 
 
 def use_device(device: torch.device) -> None:

@@ -8,13 +8,16 @@ only thing a crash can leave is that directory, empty or holding a named file wh
 filesystem lacks ``O_TMPFILE`` and the process died in the instant between create and unlink.
 ``reclaim_stale`` (run at every tier start) removes those of dead processes.
 
-Versions before this one named their files ``offload-<id>-<group>.swp`` and deleted them only
-at a clean exit; ``find_leftovers`` reports them (``offload doctor --path``) with the space
-they hold and whether a live process still has them open.
+A run closed with ``keep_files=True`` (``finetune_100b.py --keep-nvme``) gives its files a name
+as it closes (``keep``): ``<nvme dir>/<prefix>-<group>.swp``, one member per directory, the
+layout ``StripedFile(dirs, name, size, create=False)`` describes. Versions before this one named
+their files the same way and deleted them only at a clean exit. ``find_leftovers`` reports both
+(``offload doctor --path``) with the space they hold and whether a live process has them open.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -41,6 +44,34 @@ class Leftover:
 def private_dir(parent: str | os.PathLike) -> str:
     """A new directory ``parent/offload-<pid>-XXXXXXXX`` only this user can enter (0700)."""
     return tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=os.fspath(parent))
+
+
+def keep(file, dirs) -> list[str]:
+    """Give each nameless member of the striped ``file`` the name ``file.name`` in its directory
+    of ``dirs`` (the NVMe directories its private directories were made in); returns the paths.
+
+    Only a file made with ``O_TMPFILE`` can get a name back (``linkat`` of ``/proc/self/fd``);
+    one made by name and unlinked at once (filesystems without it) cannot: ``NvmeIOError``
+    (``ENOENT``). So does a name already taken (``EEXIST``): nothing is overwritten."""
+    from .. import native
+
+    paths = []
+    # linkat(AT_SYMLINK_FOLLOW) of the descriptor's /proc entry: os.link uses linkat only when
+    # given a directory descriptor (plain link() would link the /proc symlink itself).
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for fd, d in zip(file.fds or (), dirs):
+            path = os.path.join(os.fspath(d), file.name)
+            try:
+                os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+            except OSError as exc:
+                raise native.io_error(exc.errno or errno.EIO, path, 0, 0, "keeping a swap file"
+                                      + (" (made without O_TMPFILE: it cannot get a name back)"
+                                         if exc.errno == errno.ENOENT else "")) from None
+            paths.append(path)
+    finally:
+        os.close(proc)
+    return paths
 
 
 def remove_private_dir(path: str) -> None:

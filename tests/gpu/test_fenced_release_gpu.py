@@ -65,8 +65,8 @@ def test_evicting_a_dirty_chunk_from_the_gpu_returns_before_its_download():
     dev = torch.device("cuda")
     numel = MIB                                   # 4 MiB of fp32
     store = ChunkStore([MemoryTier("device", 8 * MIB, dev),
-                        MemoryTier("cpu", 8 * MIB, "cpu", aligned=True, pin=True)], LRUPolicy())
-    store.streams = DeviceStreams(dev)
+                        MemoryTier("cpu", 8 * MIB, "cpu", aligned=True, pin=True)], LRUPolicy(),
+                       streams=DeviceStreams(dev))
     key = store.register("grad", 1, numel, torch.float32)[0]
     expected = torch.arange(numel, dtype=torch.float32, device=dev)
     view = store.access(key, "device", overwrite=True)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 import offload
+from offload.engine import build
 from offload.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.helpers.sim_streams import SimStreams
 from tests.helpers.trajectory import (assert_losses_within_drift, assert_within_drift, float64_twin,
@@ -58,9 +60,11 @@ def batches():
 
 def train(model, cfg: offload.OffloadConfig, streams=None):
     """Losses, final state dict and per-step stats of STEPS offloaded steps."""
-    model = offload.wrap(model, cfg)
     if streams is not None:
-        model.offload_engine.store.streams = streams
+        with mock.patch.object(build, "copy_streams", lambda device: streams):
+            model = offload.wrap(model, cfg)
+    else:
+        model = offload.wrap(model, cfg)
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     losses, stats = [], []
     try:

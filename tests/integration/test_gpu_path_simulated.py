@@ -7,9 +7,12 @@ as present and become evictable)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 import offload
+from offload.engine import build
 from tests.helpers.reference import LR, WD, Reference, make_models, small_config
 from tests.helpers.sim_streams import GatedStreams, SimStreams
 from tests.helpers.tiny_gpt import batches
@@ -20,10 +23,11 @@ pytestmark = pytest.mark.slow
 def train_simulated(model, cfg, steps, *, delay_s=0.002, clip=None, accumulate=1, lag=None):
     """Train on simulated streams: ``SimStreams`` (copies on threads, ``delay_s`` each), or with
     ``lag``, ``GatedStreams`` (a GPU that keeps ``lag`` copies behind the host, deterministically)."""
-    model = offload.wrap(model, cfg)
-    store = model.offload_engine.store
-    streams = SimStreams(delay_s) if lag is None else GatedStreams(store.lock, lag=lag)
-    store.streams = streams
+    streams = SimStreams(delay_s) if lag is None else GatedStreams(lag=lag)
+    with mock.patch.object(build, "copy_streams", lambda device: streams):
+        model = offload.wrap(model, cfg)
+    if lag is not None:
+        streams.lock = model.offload_engine.store.lock     # host waits are checked against it
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=clip)
     losses, stats = [], []
     data = iter(batches(steps * accumulate))

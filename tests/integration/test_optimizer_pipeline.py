@@ -94,14 +94,15 @@ def moves(trace: Path, since: int = 0) -> tuple[list[tuple[str, int, str, str]],
     return [(m[1], int(m[2]), m[3], m[4]) for m in found if m], len(events)
 
 
-def train_paced(path, monkeypatch, cpu_budget, steps=4):
+def train_paced(path, monkeypatch, cpu_budget, steps=4, park=None):
     """Train TinyGPT (state spilling to NVMe) under ``PacedOptimizer``. Returns the model, the
     losses, the moves from the third step on (a trace to follow, nothing left from set-up), the
     reads the worker started, as (kind, chunk, the chunk it was updating or None), and the pacer.
-    ``model.pending_after_step``: the chunks whose update was still queued when each step() returned."""
+    ``model.pending_after_step``: the chunks whose update was still queued when each step() returned.
+    ``park``: what ``Parking.choose`` parks (default nothing)."""
     from offload.chunks.store import ChunkStore
     from offload.engine import stepper
-    from offload.engine.pipeline import StepPipeline
+    from offload.engine.pipeline import Parking
 
     trace = Path(path) / "trace.json"
     monkeypatch.setenv("OFFLOAD_TRACE", str(trace))
@@ -109,8 +110,8 @@ def train_paced(path, monkeypatch, cpu_budget, steps=4):
     # A loaded machine must not turn the back-pressure's stall escape into a spill here.
     monkeypatch.setattr(stepper, "BACKLOG_STALL_S", HANG_S)
     # Nor may parking (updates held for the next forward; it learns from timings) stand in for
-    # back-pressure. (The parking test overrides it on OffloadEngine.)
-    monkeypatch.setattr(StepPipeline, "_chunks_to_park", lambda self: set())
+    # back-pressure, unless the test says what to park.
+    monkeypatch.setattr(Parking, "choose", park or (lambda self: set()))
     prefetch, seen, started = ChunkStore.prefetch, [], []
 
     def observed_prefetch(store, key, tier, **kw):
@@ -196,18 +197,15 @@ def test_updates_still_queued_at_step_finish_before_the_next_forward_uses_them(d
 def test_parked_updates_run_during_the_next_forward_and_change_nothing(disk_tmp, monkeypatch):
     """Half the chunks (those the next forward uses last) parked every step: their updates wait
     for backward to end and overlap the next forward. The numbers are torch's, up to rounding."""
-    from offload.engine.engine import OffloadEngine
+    def park_half(parking):
+        order = sorted(parking.trainable, key=parking.deadline)
+        return set(order[len(order) // 2:]) if parking.prefetcher.trace is not None else set()
 
-    def park_half(self):
-        order = sorted(range(self.layout.num_chunks), key=self._deadline)
-        self.parked = set(order[len(order) // 2:]) if self.prefetcher.trace is not None else set()
-        return self.parked
-
-    monkeypatch.setattr(OffloadEngine, "_chunks_to_park", park_half)
     ref, exact = torch_runs()
-    model, got, _, _, pacer = train_paced(disk_tmp, monkeypatch, "544KiB")
+    model, got, _, _, pacer = train_paced(disk_tmp, monkeypatch, "544KiB", park=park_half)
     engine = model.offload_engine
-    assert engine.parked and all(p & engine.parked for p in model.pending_after_step[2:])
+    parked = engine.progress.parked
+    assert parked and all(p & parked for p in model.pending_after_step[2:])
     assert_run_within_drift((model, got), ref, exact)
     engine.close()
     assert pacer.stuck == 0
@@ -240,26 +238,27 @@ def test_park_count_follows_idle_disk_and_forward_stalls(disk_tmp, monkeypatch):
         # The durations the policy reads, as if measured (the policy only compares them).
         idle[0] = idle_s
         engine.adam.backlog_wait_s = throttled_s
-        engine.fwd_started = time.perf_counter() - forward_s
-        engine.fwd_wait_start = engine.tracer.totals["wait"] - stalled_s
-        engine.fwd_tail_wait_s = 0.0
-        return engine._chunks_to_park()
+        parking.started_at = time.perf_counter() - forward_s
+        parking.wait_at_start = engine.tracer.totals["wait"] - stalled_s
+        parking.tail_wait_s = 0.0
+        return parking.choose()
 
-    engine.park_count = 0
+    parking = engine.parking
+    parking.count = 0
     parked = forward_ended(0.03, 10.0)              # 3 updates' time idle: +1
-    assert engine.park_count == 1 and len(parked) == 1
+    assert parking.count == 1 and len(parked) == 1
     parked = forward_ended(100.0, 0.045)            # idle since before a 45 ms forward: +2
-    assert engine.park_count == 3 and len(parked) == 3
-    last = sorted(range(engine.layout.num_chunks), key=engine._deadline)[-3:]
+    assert parking.count == 3 and len(parked) == 3
+    last = sorted(range(engine.layout.num_chunks), key=engine.pins.deadline)[-3:]
     assert parked == set(last)
     forward_ended(0.0, 10.0, stalled_s=0.05)       # forward stalled 50 ms: one fewer
-    assert engine.park_count == 2
+    assert parking.count == 2
     forward_ended(100.0, 100.0)                     # at most PARK_GROWTH more a step
-    assert engine.park_count == 4
+    assert parking.count == 4
     forward_ended(100.0, 100.0)                     # and never more than half the chunks
-    assert engine.park_count == 4
+    assert parking.count == 4
     forward_ended(100.0, 100.0, throttled_s=0.0)    # backward never waited for the optimizer
-    assert engine.park_count == 3
+    assert parking.count == 3
     engine.close()
 
 

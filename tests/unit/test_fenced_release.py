@@ -91,9 +91,11 @@ def test_device_pool_never_waits_keeps_its_budget_and_hands_fences_to_the_next_u
 # ---- the chunk store ----------------------------------------------------------------------------
 def gated_store(device_bytes: int, cpu_bytes: int) -> tuple[ChunkStore, GatedStreams]:
     """A device tier (the CPU standing in) over a CPU tier, copies between them on gated streams."""
-    store = ChunkStore([MemoryTier("device", device_bytes), MemoryTier("cpu", cpu_bytes)], LRUPolicy())
-    store.streams = GatedStreams(store.lock)
-    return store, store.streams
+    streams = GatedStreams()
+    store = ChunkStore([MemoryTier("device", device_bytes), MemoryTier("cpu", cpu_bytes)], LRUPolicy(),
+                       streams=streams)
+    streams.lock = store.lock       # host waits are checked against the store's lock
+    return store, streams
 
 
 def write(store: ChunkStore, key, values: torch.Tensor, *, accumulate: bool = False) -> None:

@@ -28,8 +28,8 @@ HELD_S = 5.0        # how long the held update waits for ensure() before giving 
 def gather_for(engine, comms) -> GroupGather:
     """A gather over ``engine``'s chunks, wired as the engine wires its own (nothing waits to be
     submitted here, so a collective done with a chunk has no update to let go)."""
-    return GroupGather(comms, engine.store, engine.layout, tier=engine.params.tier,
-                       in_use=lambda c: engine.params.pins[c] > 0, wait_for_update=engine.adam.wait_for,
+    return GroupGather(comms, engine.store, engine.layout, tier=engine.pins.tier,
+                       in_use=engine.pins.pinned, wait_for_update=engine.adam.wait_for,
                        on_sent=lambda c: None)
 
 

@@ -60,7 +60,7 @@ def test_pinned_tier_registers_its_arena_once_for_chunks_of_every_size():
 
 def test_training_with_a_pinned_cpu_tier_registers_nothing_after_the_first_step(disk_tmp, monkeypatch):
     pinner = CountingPinner()
-    from offload.engine import engine as engine_module
+    from offload.engine import build as engine_module
 
     def tier(name, budget, device="cpu", **kw):
         if name == "cpu":                          # the GPU layout's pinned CPU tier, on this CPU box

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from offload import AioConfig, ConfigError, StateError, TierFullError
 from offload.chunks import ChunkState, ChunkStore
-from offload.chunks.states import CHUNK_TRANSITIONS, TENSOR_TRANSITIONS, TensorState, check_transition
+from offload.chunks.states import CHUNK_TRANSITIONS, check_transition
 from offload.scheduler import LRUPolicy
 from offload.tiers import MemoryTier
 
@@ -153,9 +153,7 @@ TestStoreMachine = StoreMachine.TestCase
 def test_illegal_transitions_raise():
     with pytest.raises(StateError, match="FREE -> COMPUTE"):
         check_transition(CHUNK_TRANSITIONS, ChunkState.FREE, ChunkState.COMPUTE, "chunk")
-    with pytest.raises(StateError, match="HOLD_AFTER_FWD -> HOLD_AFTER_BWD"):
-        check_transition(TENSOR_TRANSITIONS, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD, "p")
-    assert check_transition(TENSOR_TRANSITIONS, TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD, "p")
+    assert check_transition(CHUNK_TRANSITIONS, ChunkState.HOLD, ChunkState.COMPUTE, "chunk") is ChunkState.COMPUTE
 
 
 def test_tier_full_names_tier_budget_and_holders():

@@ -200,3 +200,55 @@ def test_nvme_directory_removed_mid_run_changes_nothing(disk_tmp):
     losses, state = run(2)
     assert losses == ref_losses
     assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_close_keeping_files_names_the_swap_files_in_each_nvme_directory(disk_tmp, capsys):
+    """``close(keep_files=True)`` (``finetune_100b.py --keep-nvme``) leaves the swap files on disk as
+    they were written, named ``<prefix>-<group>.swp`` in each NVMe directory, one stripe member
+    per directory, where ``offload doctor`` lists them; a plain close leaves nothing."""
+    def train(dirs):
+        torch.manual_seed(0)
+        model = offload.wrap(TinyGPT(), offload.OffloadConfig(
+            device="cpu", dtype="fp32", device_budget="192KiB", cpu_budget="256KiB",
+            nvme_paths=[str(d) for d in dirs], chunk_size=8192, aio=AioConfig(backend="threads")))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(2):
+            model(x, y).backward()
+            opt.step()
+        model.offload_engine.adam.drain()
+        model.offload_engine.store.wait_idle()
+        return model.offload_engine
+
+    plain = [disk_tmp / "plain-a", disk_tmp / "plain-b"]
+    train(plain).close()
+    assert os.listdir(plain[0]) == [] and os.listdir(plain[1]) == []
+
+    dirs = [disk_tmp / "a", disk_tmp / "b"]
+    engine = train(dirs)
+    nvme = engine.store.tiers["nvme"]
+    files = {group: (f.name, f.size) for group, f in nvme.files.items()}
+    on_disk = next(r for r in engine.store.records.values() if r.nvme_valid)   # its bytes, as written
+    written = aligned_empty(on_disk.slot.nbytes)
+    nvme.read(on_disk.slot, written).wait()
+    engine.close(keep_files=True)
+
+    for d in dirs:
+        assert sorted(os.listdir(d)) == sorted(name for name, _ in files.values())
+    for name, size in files.values():
+        kept = StripedFile(dirs, name, size, create=False)
+        assert kept.exists()
+        assert all(os.stat(p).st_nlink == 1 and stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in kept.paths)
+    kept = StripedFile(dirs, on_disk.slot.file.name, on_disk.slot.file.size, create=False)
+    back = bytearray()
+    for member, at, _, n in kept.locate(on_disk.slot.offset, on_disk.slot.nbytes):
+        with open(kept.paths[member], "rb") as f:
+            f.seek(at)
+            back += f.read(n)
+    assert bytes(back) == written.numpy().tobytes()
+
+    found = find_leftovers(dirs[0])
+    assert {Path(f.path).name for f in found} == {name for name, _ in files.values()}
+    assert all(f.kind == "swap file" and not f.in_use for f in found)
+    assert main(["doctor", "--path", str(dirs[0]), "--clean", "--json"]) in (0, 1)
+    capsys.readouterr()
+    assert os.listdir(dirs[0]) == []

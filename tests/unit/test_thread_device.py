@@ -38,7 +38,7 @@ def test_the_adam_worker_makes_the_engines_gpu_current_before_its_first_update(m
                                                cpu_budget="1MiB", chunk_size=2048))
     engine = model.offload_engine
     try:
-        monkeypatch.setattr(engine, "device", torch.device("cuda", 1))
+        monkeypatch.setattr(engine.adam, "device", torch.device("cuda", 1))     # the worker's, from the engine
         real_update = engine.adam.update
 
         def update(c, runs, grad_scale):

@@ -1,0 +1,170 @@
+"""Building an engine's parts from the model and the config: the set-up ``OffloadEngine`` runs once.
+
+The parameters to offload (meta-built ones replaced by real ones), the chunk layout and the
+budget checks every step relies on, the tiers, the gradient and optimizer-state chunks, the
+model's buffers on the compute device, the copy streams, the collectives and the optimizer's
+threads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..chunks import ChunkLayout, ChunkStore
+from ..chunks.layout import auto_max_chunk
+from ..config import OffloadConfig
+from ..distributed import expand_rank
+from ..distributed.agree import check_same_layout
+from ..errors import ConfigError
+from ..tiers import MemoryTier, NvmeTier
+from ..tiers.budgets import min_cpu_bytes, min_device_bytes_sharded
+from ..tiers.streams import CopyStreams, DeviceStreams
+from ..units import format_bytes
+
+
+def collectives(sharding, streams: CopyStreams | None, device: torch.device):
+    """``(comms, comm_device)``: the collectives over ``sharding``'s group, and where they take
+    their tensors; ``(None, cpu)`` in a single process. A failing rank then says so to its peers."""
+    if sharding is None:
+        return None, torch.device("cpu")
+    from ..distributed import failure
+    from ..distributed.comms import Collectives, collective_device
+
+    failure.install(sharding.rank)
+    return Collectives(sharding, streams=streams, device=device), collective_device()
+
+
+def copy_streams(device: torch.device) -> CopyStreams | None:
+    """The copy streams of ``device``: a CUDA device's (its compute stream is the one current
+    now, and again at each forward's start), None for the CPU (copies are synchronous). Tests
+    put simulated streams here to run the GPU path's ordering on the CPU."""
+    return DeviceStreams(device) if device.type == "cuda" else None
+
+
+def offloaded_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device, lazy) -> tuple[list, dict]:
+    """``(named, shapes)``: the model's parameters by name, and the shapes of those built on the
+    meta device under ``lazy_init`` (``lazy``: its record, or None), which are swapped here for
+    real parameters with placeholder data (ties kept) before anyone (an optimizer) holds them."""
+    shapes: dict[int, torch.Size] = {}
+    if lazy is not None:
+        placeholder = torch.empty(0, dtype=dtype, device=device)
+        new: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if not p.is_meta:
+                    continue
+                if id(p) not in new:
+                    q = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+                    new[id(p)] = q
+                    shapes[id(q)] = p.shape
+                setattr(module, name, new[id(p)])
+        for module in model.modules():
+            for name, b in module.named_buffers(recurse=False, remove_duplicate=False):
+                if b.is_meta:
+                    raise ConfigError("buffer", f"{type(module).__name__}.{name}",
+                                      "was built on the meta device; lazy_init materializes parameters "
+                                      "only: create buffers with an explicit device")
+    named = list(model.named_parameters())
+    if not named:
+        raise ConfigError("model", type(model).__name__, "has no parameters to offload")
+    for name, p in named:
+        if not p.is_floating_point():
+            raise ConfigError("model", name, f"parameter dtype {p.dtype} is not floating point")
+    return named, shapes
+
+
+def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.dtype, device_budget: int,
+                 cpu_budget: int, sharding) -> ChunkLayout:
+    """The chunk layout (the same on every rank, checked), refused when the budgets cannot hold
+    the minimum working set of one step (``min_device_bytes`` and ``min_cpu_bytes``: the planner
+    refuses by the same rules)."""
+    layout = ChunkLayout.build([(n, shapes.get(id(p), p.shape)) for n, p in named], config.chunk_size,
+                               max_chunk=auto_max_chunk(device_budget, cpu_budget),
+                               frozen={n for n, p in named if not p.requires_grad})
+    if sharding is not None:
+        check_same_layout(layout, dtype)
+    n, e = layout.chunk_size, dtype.itemsize
+    need_device = min_device_bytes_sharded(n, e, layout.largest_chunk, sharding.world if sharding else 1)
+    trainable = [layout.sizes[c] for c in layout.trainable_chunks]
+    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), layout.largest_chunk * e)
+    groups = (f"; under {sharding.world} ranks, 4 gathered groups of {sharding.world} parameter chunks and "
+              f"2 of gradient chunks being reduced" if sharding else "")
+    why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
+           "raise the budget or lower chunk_size")
+    if device_budget < need_device:
+        raise ConfigError("device_budget", device_budget,
+                          f"holds less than the {format_bytes(need_device)} one backward step needs "
+                          f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients"
+                          f"{groups}): {why}")
+    if cpu_budget < need_cpu:
+        raise ConfigError("cpu_budget", cpu_budget,
+                          f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
+                          f"needs (gradient, master, exp_avg, exp_avg_sq, parameters): {why}")
+    return layout
+
+
+def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, cpu_budget: int, sharding,
+               prefix: str) -> tuple[list, dict | None]:
+    """``(tiers, aliases)`` for the chunk store, top down; NVMe swap files are named by ``prefix``."""
+    aligned = config.nvme_paths is not None      # O_DIRECT reads and writes land in these buffers
+    if device.type == "cpu" and config.merge_host_tiers:
+        # Computing on the CPU, the device and CPU tiers would both be host memory: copying a
+        # chunk between them costs time and holds it twice. They are one tier of both budgets,
+        # still addressed as "device" where the engine means "where compute reads it".
+        tiers = [MemoryTier("cpu", device_budget + cpu_budget, "cpu", aligned=aligned)]
+        aliases = {"device": "cpu"}
+    else:
+        tiers = [MemoryTier("device", device_budget, device),
+                 MemoryTier("cpu", cpu_budget, "cpu", aligned=aligned,
+                            pin=device.type == "cuda" and config.pin_memory)]
+        aliases = None
+    if config.nvme_paths is not None:
+        tiers.append(NvmeTier(expand_rank(config.nvme_paths, sharding), config.aio, prefix=prefix))
+    return tiers, aliases
+
+
+def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, dtype: torch.dtype,
+                             memory_bytes: int) -> bool:
+    """Register the gradient and Adam moment chunks; returns whether the persistent state
+    outgrows ``memory_bytes`` (then each update writes its state down at once: ``spills``)."""
+    # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
+    # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
+    # together is done in fp32. Frozen chunks get neither gradients nor optimizer state.
+    trainable = params.trainable_sizes()
+    kept = params.trainable_sizes(kept_only=True)
+    grad_dtype = dtype if config.gradient_accumulation_steps == 1 else torch.float32
+    if config.gradient_accumulation_steps == 1:
+        # Another rank's gradient chunk lives from its first gradient until its group is
+        # reduced, pinned all along: it never needs an NVMe slot. Accumulated ones may.
+        store.register_chunks("grad", kept, grad_dtype)
+        others = {c: n for c, n in trainable.items() if c not in kept}
+        if others:
+            store.register_chunks("grad", others, grad_dtype, nvme=False)
+    else:
+        store.register_chunks("grad", trainable, grad_dtype)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        store.register_chunks(kind, kept, torch.float32)
+    persistent = sum(r.nbytes for r in store.records.values() if r.key[0] != "grad" and params.keeps(r.key[1]))
+    return config.nvme_paths is not None and persistent > memory_bytes
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers go to the compute device in the dtype the model made them: an fp32 ``inv_freq``
+    in a bf16 run keeps RoPE exact at long positions (as HF loads keep it). A user who wants
+    them in another dtype casts them before wrapping."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(module, name, buf.to(device))      # a buffer stays a buffer, persistence kept
+
+
+def optimizer_threads(config: OffloadConfig, sharding) -> int | None:
+    """The CPU Adam's threads (None: all cores)."""
+    if config.optimizer_threads != "auto":
+        return config.optimizer_threads
+    if sharding is not None and sharding.local_world > 1:
+        # Ranks on one host share its cores: each runs its Adam on its share of them.
+        from ..native import physical_cores
+
+        return max(1, physical_cores() // sharding.local_world)
+    return None
