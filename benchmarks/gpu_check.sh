@@ -81,7 +81,11 @@ if ! $PY -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.spli
     exit 2
 fi
 echo "== build" >> "$SETUP"
-if ! $PY offload/_build_native.py >> "$SETUP" 2>&1; then
+# Built in place where the tree has no native module for this Python (the device machine); a
+# development checkout keeps the one its editable install built (a second one would shadow it).
+if $PY -c "import offload._native" 2>/dev/null; then
+    echo "native module present: $($PY -c 'import offload._native as n; print(n.__file__)')" >> "$SETUP"
+elif ! $PY offload/_build_native.py >> "$SETUP" 2>&1; then
     echo "native build failed:"; tail -20 "$SETUP"; exit 1
 fi
 echo "== doctor" >> "$SETUP"

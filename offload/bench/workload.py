@@ -9,7 +9,7 @@ import time
 
 from ..errors import OffloadError
 
-BYTES_PER_PARAM = 14          # bf16 param + fp32 master + exp_avg + exp_avg_sq (DESIGN.md)
+BYTES_PER_PARAM = 14          # bf16 param (2) + fp32 master, exp_avg, exp_avg_sq (4 each)
 STEPS_PER_SAMPLE = 2          # a sample is two steps back to back (offload.bench.step's docstring)
 
 

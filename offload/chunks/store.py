@@ -21,11 +21,11 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import ConfigError, StateError
-from ..scheduler.eviction import EvictionPolicy, LRUPolicy
 from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move
 from ..tiers.nvme import NvmeSlot, NvmeTier
 from ..tiers.streams import CopyStreams
+from .policy import Policy
 from .records import ChunkKey, ChunkRecord
 from .report import by_direction, memory_report
 from .states import CHUNK_TRANSITIONS, ChunkState, check_transition
@@ -33,11 +33,12 @@ from .traffic import ChunkTraffic
 
 
 class ChunkStore:
-    """Chunks of several kinds over an ordered list of tiers (top = compute device). ``aliases``:
+    """Chunks of several kinds over an ordered list of tiers (top = compute device), evicting by
+    ``policy`` (``offload.scheduler``'s LRU or next-use policies). ``aliases``:
     other names for a tier (with no GPU, the engine's "device" and "cpu" are one tier of host
     memory); ``streams``, ``tracer``, ``on_free``, ``urgent_kinds``: see ``ChunkTraffic``."""
 
-    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: EvictionPolicy | None = None, *,
+    def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: Policy, *,
                  aliases: dict[str, str] | None = None, streams: CopyStreams | None = None, tracer=None,
                  on_free: Callable[[ChunkKey, str], None] | None = None,
                  urgent_kinds: frozenset[str] = frozenset()):
@@ -47,7 +48,7 @@ class ChunkStore:
         self.order = [t.name for t in tiers]
         if "nvme" in self.tiers and self.order[-1] != "nvme":
             raise ConfigError("tiers", self.order, "the NVMe tier must be the last (lowest) one")
-        self.policy = policy or LRUPolicy()
+        self.policy = policy
         self.aliases = dict(aliases or {})
         for alias, name in self.aliases.items():
             if name not in self.tiers or alias in self.tiers:

@@ -29,6 +29,7 @@ from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move, copy_between
 from ..tiers.nvme import NvmeTier
 from ..tiers.streams import CopyStreams
+from .policy import Policy
 from .records import ChunkKey, ChunkRecord
 
 # How long making room waits for another thread (the optimizer worker) to unpin chunks before
@@ -48,7 +49,7 @@ class ChunkTraffic:
     """
 
     def __init__(self, tiers: dict[str, MemoryTier | NvmeTier], order: Sequence[str], records: dict,
-                 policy, released: threading.Condition, *, streams: CopyStreams | None = None, tracer=None,
+                 policy: Policy, released: threading.Condition, *, streams: CopyStreams | None = None, tracer=None,
                  on_free: Callable[[ChunkKey, str], None] | None = None,
                  urgent_kinds: frozenset[str] = frozenset()):
         self.tiers = tiers

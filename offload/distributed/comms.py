@@ -21,7 +21,7 @@ budgeted buffer. The list forms of all_gather / reduce_scatter over a group of s
 buffers would have NCCL stage them in a world × chunk flat temporary outside every budget; N
 broadcasts (reduces), one rooted at each rank, move the same bus bytes as one all-gather
 (reduce-scatter) of the group. (Slicing every chunk over the ranks, with all_gather_into_tensor
-into the chunk's own buffer, is the next step; see DESIGN.md.)
+into the chunk's own buffer, is the next step: the gathered set then stops growing with N.)
 
 **Bytes** are counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): a
 broadcast or reduce of b bytes moves (N-1)/N·b (a pipelined ring: every rank but one receives b,

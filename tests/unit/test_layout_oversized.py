@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from offload.chunks import ChunkStore
 from offload.chunks.layout import CHUNK_QUANTUM, PARAM_ALIGN, ChunkLayout, search_chunk_size, wasted_elements
+from offload.scheduler import LRUPolicy
 from offload.tiers import MemoryTier, NvmeTier
 
 params = st.lists(st.tuples(st.integers(1, 9000), st.booleans()), min_size=1, max_size=30)
@@ -87,7 +88,7 @@ def test_store_round_trips_chunks_of_different_sizes_through_nvme(tmp_path_facto
     some = {c: n for c, n in sizes.items() if spec[c][1]}
     biggest = max(sizes.values()) * 4
     nvme = NvmeTier([str(path)])
-    store = ChunkStore([MemoryTier("cpu", 2 * biggest, "cpu", aligned=True), nvme])
+    store = ChunkStore([MemoryTier("cpu", 2 * biggest, "cpu", aligned=True), nvme], LRUPolicy())
     try:
         store.register_chunks("param", sizes, torch.bfloat16)
         store.register_chunks("master", some, torch.float32)

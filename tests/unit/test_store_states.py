@@ -157,7 +157,7 @@ def test_illegal_transitions_raise():
 
 
 def test_tier_full_names_tier_budget_and_holders():
-    store = ChunkStore([MemoryTier("device", 2 * NUMEL * 4), MemoryTier("cpu", 8 * NUMEL * 4)])
+    store = ChunkStore([MemoryTier("device", 2 * NUMEL * 4), MemoryTier("cpu", 8 * NUMEL * 4)], LRUPolicy())
     keys = store.register("master", 3, NUMEL, torch.float32)
     for k in keys:
         store.initialize(k, "cpu")
@@ -174,7 +174,7 @@ def test_tier_full_names_tier_budget_and_holders():
 
 
 def test_no_nvme_bottom_tier_refuses_with_hint():
-    store = ChunkStore([MemoryTier("cpu", 2 * NUMEL * 4)])
+    store = ChunkStore([MemoryTier("cpu", 2 * NUMEL * 4)], LRUPolicy())
     keys = store.register("master", 3, NUMEL, torch.float32)
     store.initialize(keys[0], "cpu")
     store.initialize(keys[1], "cpu")
@@ -183,7 +183,7 @@ def test_no_nvme_bottom_tier_refuses_with_hint():
 
 
 def test_clean_eviction_moves_nothing_and_report_counts():
-    store = ChunkStore([MemoryTier("device", 4 * NUMEL * 4), MemoryTier("cpu", 8 * NUMEL * 4)])
+    store = ChunkStore([MemoryTier("device", 4 * NUMEL * 4), MemoryTier("cpu", 8 * NUMEL * 4)], LRUPolicy())
     (key,) = store.register("master", 1, NUMEL, torch.float32)
     store.initialize(key, "cpu", lambda v: v.fill_(3.0))
     store.access(key, "device")
@@ -204,7 +204,7 @@ def test_clean_eviction_moves_nothing_and_report_counts():
 
 
 def test_aliases_name_one_tier():
-    store = ChunkStore([MemoryTier("cpu", 4 * NUMEL * 4)], aliases={"device": "cpu"})
+    store = ChunkStore([MemoryTier("cpu", 4 * NUMEL * 4)], LRUPolicy(), aliases={"device": "cpu"})
     (key,) = store.register("master", 1, NUMEL, torch.float32)
     store.initialize(key, "device", lambda v: v.fill_(2.0))
     assert store.tier_name("device") == "cpu" and store.records[key].valid == {"cpu"}
@@ -213,7 +213,7 @@ def test_aliases_name_one_tier():
     store.release(key, "cpu")
     assert store.memory_report()["moved_bytes"] == {}          # nothing copied between "two" tiers
     with pytest.raises(ConfigError, match="aliases"):
-        ChunkStore([MemoryTier("cpu", NUMEL * 4)], aliases={"device": "gpu"})
+        ChunkStore([MemoryTier("cpu", NUMEL * 4)], LRUPolicy(), aliases={"device": "gpu"})
 
 
 def test_finished_writeback_frees_its_chunk_for_eviction(disk_tmp):
@@ -252,7 +252,7 @@ def test_wait_idle_finishes_every_move_under_way(disk_tmp):
 
 def test_initialize_whose_fill_raises_gives_its_buffer_back():
     tier = MemoryTier("cpu", 2 * NUMEL * 4)
-    store = ChunkStore([tier])
+    store = ChunkStore([tier], LRUPolicy())
     (key,) = store.register("master", 1, NUMEL, torch.float32)
 
     def bad_fill(view):
