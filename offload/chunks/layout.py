@@ -213,12 +213,6 @@ class ChunkLayout:
     def waste(self) -> int:
         return self.total_elements - self.total_params
 
-    def shard(self, rank: int, world_size: int) -> list[int]:
-        """Chunks owned by ``rank`` of ``world_size`` (round-robin, so every rank gets about 1/N)."""
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError("rank", rank, f"must be in [0, {world_size})")
-        return list(range(rank, self.num_chunks, world_size))
-
     def __repr__(self) -> str:
         big = sum(self.oversized(c) for c in range(self.num_chunks))
         frozen = self.num_chunks - len(self.trainable_chunks)

@@ -52,13 +52,3 @@ def test_bad_chunk_sizes_and_names():
         ChunkLayout.build([("a", (10,))], 1000)
     with pytest.raises(ConfigError, match="twice"):
         ChunkLayout.build([("a", (10,)), ("a", (3,))], 2048)
-
-
-def test_shard_round_robin():
-    layout = ChunkLayout.build([(f"p{i}", (2048,)) for i in range(10)], 2048)
-    assert layout.num_chunks == 10
-    shards = [layout.shard(r, 3) for r in range(3)]
-    assert sorted(sum(shards, [])) == list(range(10))
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    with pytest.raises(ConfigError):
-        layout.shard(3, 3)

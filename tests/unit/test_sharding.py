@@ -36,10 +36,11 @@ def test_every_chunk_has_exactly_one_owner_and_groups_hold_one_chunk_per_rank(nu
     assert seen == list(range(num_chunks))
 
 
-def test_ownership_is_the_layouts_shard():
+def test_every_chunk_has_one_owner_and_ranks_own_about_a_third_each():
     layout = ChunkLayout.build([(f"p{i}", (3000,)) for i in range(10)], 4096)
-    for r in range(3):
-        assert Sharding(r, 3).owned(range(layout.num_chunks)) == layout.shard(r, 3)
+    owned = [Sharding(r, 3).owned(range(layout.num_chunks)) for r in range(3)]
+    assert sorted(sum(owned, [])) == list(range(layout.num_chunks))
+    assert max(map(len, owned)) - min(map(len, owned)) <= 1
 
 
 @pytest.mark.parametrize("rank,world", [(-1, 2), (2, 2), (0, 0)])
