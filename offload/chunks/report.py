@@ -36,3 +36,22 @@ def memory_report(tiers: dict, records: Iterable[ChunkRecord], moved: Counter) -
         "chunk_states": dict(Counter(rec.state.name for rec in records)),
         "moved_bytes": by_direction(moved),
     }
+
+
+def tier_holders(records: Iterable[ChunkRecord], tier: str, *, spills: bool) -> str:
+    """Who holds ``tier``, for a full tier's error: the chunks pinned there (in compute), those
+    mid-move, the bytes of copies; ``spills`` False adds that there is no tier below to write to."""
+    records = list(records)
+    pinned = [r for r in records if r.pins.get(tier)]
+    moving = [r for r in records if tier in r.incoming]
+    parts = []
+    if pinned:
+        parts.append(f"{len(pinned)} chunks in COMPUTE ({', '.join(f'{k}{i}' for (k, i) in (r.key for r in pinned[:6]))}"
+                     f"{', ...' if len(pinned) > 6 else ''})")
+    if moving:
+        parts.append(f"{len(moving)} chunks mid-move")
+    held = sum(r.nbytes for r in records if tier in r.buffers)
+    parts.append(f"{held} bytes of chunk copies")
+    if not spills:
+        parts.append("no NVMe tier to spill to (set nvme_paths)")
+    return "; ".join(parts)

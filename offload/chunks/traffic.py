@@ -31,6 +31,7 @@ from ..tiers.nvme import NvmeTier
 from ..tiers.streams import CopyStreams
 from .policy import Policy
 from .records import ChunkKey, ChunkRecord
+from .report import tier_holders
 
 # How long making room waits for another thread (the optimizer worker) to unpin chunks before
 # declaring the tier full.
@@ -88,7 +89,6 @@ class ChunkTraffic:
                 self.protected[key] -= 1
                 if not self.protected[key]:
                     del self.protected[key]
-
 
     def allocate(self, tier: str, rec: ChunkRecord) -> torch.Tensor:
         """A buffer for ``rec`` on ``tier``, making room first. A reused GPU buffer keeps its
@@ -296,12 +296,29 @@ class ChunkTraffic:
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self.holders(tier))
             if not candidates:
                 return False
-            need = t.shortfall(nbytes)
-            for key in self.policy.choose(candidates, need, lambda k: self.records[k].nbytes):
+            victims = self.policy.choose(candidates, t.shortfall(nbytes), lambda k: self.records[k].nbytes)
+            if later_than is None and self._wait_for_writeback(tier, victims):
+                continue
+            for key in victims:
                 self.evict(self.records[key], tier)
                 if t.can_allocate(nbytes):
                     break
         return True
+
+    def _wait_for_writeback(self, tier: str, victims: list) -> bool:
+        """If making room would write one of ``victims`` down, wait for a write already under way
+        from this host tier instead (True: choose again). That write (``start_writeback``: state
+        updated, needed next step) leaves a clean copy that goes for free; a new write costs a read
+        later too and would queue behind it anyway. Else a slow disk spills the gradients waiting
+        for the optimizer: theirs are the only chunks not busy. GPU tiers: copies down are fenced."""
+        if self.gpu_tier(tier) or not any(self.records[k].only_on(tier) for k in victims):
+            return False
+        for key in self.resident[tier]:
+            pending = self.records[key].incoming.get("nvme")
+            if pending is not None and pending[1].src == tier:
+                pending[1].wait()
+                return True
+        return False
 
     def _pinned_elsewhere(self, tier: str) -> bool:
         me = threading.get_ident()
@@ -342,19 +359,7 @@ class ChunkTraffic:
         self.drop_copy(rec, tier)
 
     def holders(self, tier: str) -> str:
-        pinned = [r for r in self.records.values() if r.pins.get(tier)]
-        moving = [r for r in self.records.values() if tier in r.incoming]
-        parts = []
-        if pinned:
-            parts.append(f"{len(pinned)} chunks in COMPUTE ({', '.join(f'{k}{i}' for (k, i) in (r.key for r in pinned[:6]))}"
-                         f"{', ...' if len(pinned) > 6 else ''})")
-        if moving:
-            parts.append(f"{len(moving)} chunks mid-move")
-        held = sum(r.nbytes for r in self.records.values() if tier in r.buffers)
-        parts.append(f"{held} bytes of chunk copies")
-        if tier == self.lowest_memory and "nvme" not in self.tiers:
-            parts.append("no NVMe tier to spill to (set nvme_paths)")
-        return "; ".join(parts)
+        return tier_holders(self.records.values(), tier, spills="nvme" in self.tiers or tier != self.lowest_memory)
 
     # ---- copies and their order against compute -------------------------------------------------
     def add_copy(self, rec: ChunkRecord, tier: str, buf: torch.Tensor, view: torch.Tensor | None = None) -> None:
