@@ -13,7 +13,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from .choice import choice_json, choose
 from .figures import ASSUMED_PCIE_GBPS, gather_hardware
-from .flags import describe_models, positive_int_flag, size_flag
+from .defaults import BATCH_TOKENS, SEQ_LEN
+from .flags import default_seq_len, describe_models, positive_int_flag, size_flag
 from .inputs import DTYPE_BYTES, Policy
 from .report import format_choice, format_plan
 
@@ -40,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"host<->GPU GB/s each way (default: measured, or {ASSUMED_PCIE_GBPS:g})")
     a("--adam-params-per-s", type=float, help="CPU Adam throughput, parameters/s")
     a("--adam-bench", metavar="FILE", help="read Adam params/s from saved `offload bench adam --json` output")
-    a("--batch-tokens", type=int, help="tokens per step (default 16384)")
-    a("--seq-len", type=int, help="sequence length (default: the model's, capped at --batch-tokens)")
+    a("--batch-tokens", type=int, default=BATCH_TOKENS,
+      help=f"tokens per step, all ranks together (default {BATCH_TOKENS}, as `offload finetune`)")
+    a("--seq-len", type=int, help=f"sequence length (default {SEQ_LEN}, as `offload finetune`; capped at the "
+                                  "model's maximum and at --batch-tokens)")
     a("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="compute precision (default bf16)")
     a("--device-budget", help="engine's device budget: chunk bytes on the compute device, activations "
                               "not included (default: the engine's auto, 50%% of GPU memory; CPU-only 25%% of RAM)")
@@ -64,16 +67,17 @@ def run(args: argparse.Namespace) -> int:
     """Plan ``args``' model on the box described (or this one); 1 when the chosen plan does not fit."""
     hardware, sources, notes = gather_hardware(args)
     batch = positive_int_flag(args.batch_tokens, "--batch-tokens")
+    ranks = _ranks(args)
     policy = Policy(
-        **({} if batch is None else {"batch_tokens": batch}),
-        seq_len=positive_int_flag(args.seq_len, "--seq-len"),
+        batch_tokens=batch,
+        seq_len=positive_int_flag(args.seq_len, "--seq-len") or default_seq_len(args, batch // ranks["world"]),
         dtype=args.dtype,
         activation_checkpointing=not args.no_checkpointing,
         device_budget=size_flag(args.device_budget, "--device-budget"),
         cpu_budget=size_flag(args.cpu_budget, "--cpu-budget"),
         defer_step=args.defer_step,
         **_fixed_way(args),
-        **_ranks(args),
+        **ranks,
     )
     described = describe_models(args)
     modes = None if args.activation_offload == "auto" else [args.activation_offload]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..units import parse_bytes
+from .defaults import SEQ_LEN
 
 
 def size_flag(value, flag: str) -> int | None:
@@ -61,3 +62,14 @@ def model_shape(args: argparse.Namespace):
     """The preset name, or a directory's LLaMA-shaped summary (for the compute probe)."""
     described = describe_models(args)
     return described[0].shape if described else args.model
+
+
+def default_seq_len(args: argparse.Namespace, batch_tokens: int) -> int:
+    """The sequence length when --seq-len is not given: the trainer's default (``defaults.SEQ_LEN``),
+    capped at the model's maximum and at the batch."""
+    shape = model_shape(args)
+    if isinstance(shape, str):
+        from .model import resolve_model
+
+        shape = resolve_model(shape)[1]
+    return max(1, min(SEQ_LEN, shape.max_seq_len, batch_tokens))
