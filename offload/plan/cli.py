@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "WORLD_SIZE); the plan is one rank's, --batch-tokens the whole step's")
     a("--local-world", type=int, help="ranks on this box, sharing its RAM, NVMe and CPU cores (default: "
                                       "--world, all on one box); each has a GPU of its own")
+    a("--no-cache", action="store_true", help="measure this box again instead of reading the measurements "
+                                             "kept from an earlier run ($OFFLOAD_CACHE_DIR, default ~/.cache/offload)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
 
 

@@ -310,7 +310,8 @@ def test_cli_bad_value_is_one_line(capsys, bad):
 def test_cli_describing_needs_cpu_mem(capsys):
     argv = [a for a in CLI_100B if a not in ("--cpu-mem", "512G")]
     assert main(argv) == 1
-    assert "--cpu-mem is needed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "give --cpu-mem (the RAM for the run)" in err
 
 
 def _fake_bench(name, measure):
