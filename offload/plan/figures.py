@@ -247,7 +247,8 @@ class _Gather:
             if not os.access(p, os.W_OK | os.X_OK):
                 hint = self.give("nvme_gbps", "nvme_bench")
                 raise ConfigError("--nvme-path", p, "is not writable: the NVMe tier keeps its files there, and its "
-                                  "bandwidth is measured by writing there" + (f" ({hint})" if hint else ""))
+                                  "bandwidth is measured by writing there"
+                                  + (f" (to plan without measuring it, {hint})" if hint else ""))
         filesystems = sorted({tuple(sorted(path_key(p).items())) for p in paths})
         key = {"filesystems": [dict(fs) for fs in filesystems], "probe_bytes": probes.NVME_PROBE_BYTES}
         try:
