@@ -31,8 +31,10 @@ from ..errors import ConfigError, OffloadError
 from ..tiers.nvme import nvme_capacity
 from . import probes
 from .cache import MeasurementCache, path_key
-from .flags import model_shape, positive_flag, size_flag
+from .defaults import BATCH_TOKENS
+from .flags import default_seq_len, model_shape, positive_flag, size_flag
 from .inputs import Hardware
+from .model import resolve_model
 
 ASSUMED_PCIE_GBPS = 25.0          # PCIe Gen4 x16 with pinned buffers, each way
 ASSUMED_ADAM_PARAMS_PER_S = 4e9   # a fused CPU AdamW on a server socket (~110 GB/s at 28 B/param)
@@ -85,7 +87,9 @@ def hardware_for(nvme_paths: list[str], *, model="1b", dtype: str = "bf16", seq_
 def gather_hardware(args: argparse.Namespace) -> tuple[Hardware, dict, list[str]]:
     """``hardware_for`` with ``offload plan``'s flags."""
     figures = {name: getattr(args, name) for name in FIGURES}
-    return hardware_for(args.nvme_path, model=model_shape(args), dtype=args.dtype, seq_len=args.seq_len,
+    world = getattr(args, "world", None) or 1
+    seq_len = args.seq_len or default_seq_len(args, (args.batch_tokens or BATCH_TOKENS) // world)
+    return hardware_for(args.nvme_path, model=model_shape(args), dtype=args.dtype, seq_len=seq_len,
                         batch_tokens=args.batch_tokens, cache=not getattr(args, "no_cache", False),
                         flags=PLAN_FLAGS, **figures)
 
@@ -278,6 +282,7 @@ class _Gather:
             raise OffloadError(f"{exc}" + (f"; {hint}" if hint else "")) from exc
 
 
-def _shape_key(model) -> object:
-    """A preset name, or a config's fields (what the CPU probe's result depends on)."""
-    return model if isinstance(model, str) else dataclasses.asdict(model)
+def _shape_key(model) -> dict:
+    """The model's shape, what the CPU probe's result depends on ("7b", "llama-7b" and its config
+    are one key)."""
+    return dataclasses.asdict(resolve_model(model)[1])

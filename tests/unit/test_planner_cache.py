@@ -137,3 +137,24 @@ def test_describing_another_box_measures_nothing(probed, tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "c"))
     hardware_for([], gpu_mem="80G", gpu_tflops=400, cpu_mem="512G", nvme_capacity="8T", nvme_gbps=25)
     assert probed == {"nvme": 0, "adam": 0, "cpu": 0} and not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_second_launch_of_offload_plan_measures_nothing_for_real(disk_tmp, tmp_path):
+    """Two `offload plan` processes with the real probes: the second reads every measurement from the
+    cache, leaves the NVMe directory as it was, and says so."""
+    import subprocess
+
+    nvme = disk_tmp / "nvme"
+    nvme.mkdir()
+    env = {**os.environ, "OFFLOAD_CACHE_DIR": str(tmp_path / "cache")}
+    argv = [sys.executable, "-m", "offload", "plan", "--model", "tiny", "--nvme-path", str(nvme)]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    before = _snapshot(nvme)
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert _snapshot(nvme) == before
+    assert "compute_tflops, nvme_gbps, adam_params_per_s: measured on this box before" in second.stderr
+    assert "measured (offload.bench.nvme), cached" in second.stdout
+    assert "measured (offload.bench.nvme), cached" not in first.stdout
