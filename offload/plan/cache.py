@@ -98,16 +98,21 @@ class MeasurementCache:
             self._machine = machine_key()
         return (self._directory or cache_dir()) / f"measurements-{_digest(self._machine)}.json"
 
-    def measure(self, name: str, key: dict, probe: Callable[[], object]):
-        """The value measured for ``name`` under ``key`` on this machine, measuring it if not stored."""
+    def measure(self, name: str, key: dict, probe: Callable[[], object],
+                valid: Callable[[object], bool] = lambda value: True):
+        """The value measured for ``name`` under ``key`` on this machine, measuring it if not stored
+        (or if the stored value is not ``valid``: a hand-edited file is measured over, with a warning)."""
         if not self.enabled:
             return probe()
         entry_id = f"{name}-{_digest(key)}"
         entries = self._load()
         stored = entries.get(entry_id)
         if isinstance(stored, dict) and stored.get("key") == key and "value" in stored:
-            self.hits.append(name)
-            return stored["value"]
+            if valid(stored["value"]):
+                self.hits.append(name)
+                return stored["value"]
+            warnings.warn(f"offload: ignoring {name}={stored['value']!r} in the measurement cache {self.path}; "
+                          "measuring again", RuntimeWarning, stacklevel=2)
         value = probe()
         entries[entry_id] = {"name": name, "key": key, "value": value}
         self._save(entries)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -123,9 +124,10 @@ class _Gather:
         """A figure the described box lacks (named with the others when all have been looked at)."""
         self.missing.append(f"{what} ({why})")
 
-    def measured(self, name: str, how: str, key: dict, probe):
-        """``probe()``'s value, or the one kept from an earlier run on this box under ``key``."""
-        value = self.cache.measure(name, key, probe)
+    def measured(self, name: str, how: str, key: dict, probe, count: int = 1):
+        """``probe()``'s value (a rate, or a list of ``count`` rates), or the one kept from an earlier run
+        on this box under ``key``."""
+        value = self.cache.measure(name, key, probe, valid=lambda v: _rates(v, count))
         self.source(name, how)
         return value
 
@@ -184,7 +186,8 @@ class _Gather:
             key = {"model": _shape_key(self.model), "dtype": dtype, "seq_len": self.seq_len,
                    "batch_tokens": self.batch_tokens}
             gflops, how = self.cache.measure("compute_tflops", key, lambda: list(probes.probe_cpu_gflops(
-                self.model, dtype, self.seq_len, self.batch_tokens)))
+                self.model, dtype, self.seq_len, self.batch_tokens)),
+                valid=lambda v: isinstance(v, list) and len(v) == 2 and _rates(v[0], 1) and isinstance(v[1], str))
             tflops = gflops / 1000.0
             self.source("compute_tflops", how)
         if f["pcie_gbps"] is not None:
@@ -256,7 +259,8 @@ class _Gather:
         filesystems = sorted({tuple(sorted(path_key(p).items())) for p in paths})
         key = {"filesystems": [dict(fs) for fs in filesystems], "probe_bytes": probes.NVME_PROBE_BYTES}
         try:
-            read, write = self.measured("nvme_gbps", "offload.bench.nvme", key, lambda: list(probes.measure_nvme(paths)))
+            read, write = self.measured("nvme_gbps", "offload.bench.nvme", key, lambda: list(probes.measure_nvme(paths)),
+                                        count=2)
         except OffloadError as exc:
             hint = self.give("nvme_gbps", "nvme_bench")
             raise OffloadError(f"{exc}" + (f"; {hint}" if hint else "")) from exc
@@ -280,6 +284,13 @@ class _Gather:
         except OffloadError as exc:
             hint = self.give("adam_params_per_s", "adam_bench")
             raise OffloadError(f"{exc}" + (f"; {hint}" if hint else "")) from exc
+
+
+def _rates(value, count: int) -> bool:
+    """``value`` is a rate > 0 (``count`` 1) or a list of ``count`` of them."""
+    values = value if count > 1 and isinstance(value, list) and len(value) == count else [value]
+    return len(values) == count and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                        and math.isfinite(v) and v > 0 for v in values)
 
 
 def _shape_key(model) -> dict:

@@ -158,3 +158,16 @@ def test_second_launch_of_offload_plan_measures_nothing_for_real(disk_tmp, tmp_p
     assert "compute_tflops, nvme_gbps, adam_params_per_s: measured on this box before" in second.stderr
     assert "measured (offload.bench.nvme), cached" in second.stdout
     assert "measured (offload.bench.nvme), cached" not in first.stdout
+
+
+@pytest.mark.parametrize("bad", ["fast", -1.0, [1.5], None, True])
+def test_a_nonsense_cached_value_is_measured_over(probed, tmp_path, bad):
+    hardware_for([str(tmp_path)], model="tiny", **CPU_ONLY)
+    path = cache.MeasurementCache().path
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        entry["value"] = bad
+    path.write_text(json.dumps(data))
+    with pytest.warns(RuntimeWarning, match="measuring again"):
+        hw, _, _ = hardware_for([str(tmp_path)], model="tiny", **CPU_ONLY)
+    assert probed == {"nvme": 2, "adam": 2, "cpu": 2} and hw.nvme_read_gbps == 1.5 and hw.compute_tflops == 0.15
