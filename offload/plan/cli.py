@@ -35,12 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                    "plan; given without one here: that GPU's TFLOPS assumed by its memory)")
     a("--cpu-mem", type=size, help="RAM for the run, e.g. 512G (default: measured available RAM)")
     a("--nvme-path", action="append", default=[], metavar="DIR",
-      help="an NVMe directory (repeat to stripe): free space and bandwidth are measured there")
+      help="an NVMe directory (repeat to stripe): free space and bandwidth are measured there (the "
+           "bandwidth once per filesystem: kept for the next plan, see --no-cache)")
     a("--nvme-capacity", type=size, help="free NVMe bytes on the box described, e.g. 8T")
     a("--nvme-gbps", type=rate, help="NVMe read bandwidth of the box, GB/s (aggregate)")
     a("--nvme-write-gbps", type=rate, help="NVMe write bandwidth, GB/s (default: --nvme-gbps)")
     a("--nvme-bench", metavar="FILE", help="read NVMe GB/s from saved `offload bench nvme --json` output")
-    a("--gpu-tflops", type=rate, help="achieved bf16 matmul TFLOPS of the GPU")
+    a("--gpu-tflops", type=rate, help="achieved matmul TFLOPS of the GPU in --dtype (default: measured; with --gpu-mem and "
+                                     "no GPU here, assumed by its memory)")
     a("--cpu-gflops", type=rate, help="achieved matmul GFLOPS of the CPU (CPU-only boxes)")
     a("--pcie-gbps", type=rate,
       help=f"host<->GPU GB/s each way (default: measured, or {ASSUMED_PCIE_GBPS:g})")
