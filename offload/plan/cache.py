@@ -150,4 +150,5 @@ class MeasurementCache:
         except OSError as exc:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            warnings.warn(f"offload: cannot write the measurement cache {self.path} ({exc})", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"offload: cannot write the measurement cache {self.path} ({exc})", RuntimeWarning,
+                          stacklevel=3)

@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--nvme-gbps", type=rate, help="NVMe read bandwidth of the box, GB/s (aggregate)")
     a("--nvme-write-gbps", type=rate, help="NVMe write bandwidth, GB/s (default: --nvme-gbps)")
     a("--nvme-bench", metavar="FILE", help="read NVMe GB/s from saved `offload bench nvme --json` output")
-    a("--gpu-tflops", type=rate, help="achieved matmul TFLOPS of the GPU in --dtype (default: measured; with --gpu-mem and "
-                                     "no GPU here, assumed by its memory)")
+    a("--gpu-tflops", type=rate, help="achieved matmul TFLOPS of the GPU in --dtype (default: measured; "
+                                      "with --gpu-mem and no GPU here, assumed by its memory)")
     a("--cpu-gflops", type=rate, help="achieved matmul GFLOPS of the CPU (CPU-only boxes)")
     a("--pcie-gbps", type=rate,
       help=f"host<->GPU GB/s each way (default: measured, or {ASSUMED_PCIE_GBPS:g})")
@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         ways = [(policy, None)]
         if args.lora_rank:          # a preset's LoRA fine-tune: the planner's own adapter layout
             targets = lora_targets(args)
-            lora = dataclasses.replace(policy, lora_rank=args.lora_rank, **({"lora_targets": targets} if targets else {}))
+            lora = dataclasses.replace(policy, lora_rank=args.lora_rank,
+                                       **({"lora_targets": targets} if targets else {}))
             ways.append((lora, f"{resolve_model(args.model)[0]} + LoRA r={args.lora_rank}"))
         choices = [choose(args.model, hardware, po, modes=modes, micro_batches=micro, name=name) for po, name in ways]
     for earlier in choices[:-1]:        # the full fine-tune first, then the LoRA one

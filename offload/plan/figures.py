@@ -259,8 +259,8 @@ class _Gather:
         filesystems = sorted({tuple(sorted(path_key(p).items())) for p in paths})
         key = {"filesystems": [dict(fs) for fs in filesystems], "probe_bytes": probes.NVME_PROBE_BYTES}
         try:
-            read, write = self.measured("nvme_gbps", "offload.bench.nvme", key, lambda: list(probes.measure_nvme(paths)),
-                                        count=2)
+            read, write = self.measured("nvme_gbps", "offload.bench.nvme", key,
+                                        lambda: list(probes.measure_nvme(paths)), count=2)
         except OffloadError as exc:
             hint = self.give("nvme_gbps", "nvme_bench")
             raise OffloadError(f"{exc}" + (f"; {hint}" if hint else "")) from exc
@@ -280,7 +280,8 @@ class _Gather:
             return ASSUMED_ADAM_PARAMS_PER_S
         key = {"dtype": self.dtype, "params": probes.ADAM_PROBE_PARAMS}
         try:
-            return self.measured("adam_params_per_s", "offload.bench.adam", key, lambda: probes.measure_adam(self.dtype))
+            return self.measured("adam_params_per_s", "offload.bench.adam", key,
+                                 lambda: probes.measure_adam(self.dtype))
         except OffloadError as exc:
             hint = self.give("adam_params_per_s", "adam_bench")
             raise OffloadError(f"{exc}" + (f"; {hint}" if hint else "")) from exc
