@@ -26,9 +26,9 @@ from torch import nn
 
 from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
-from ..errors import ConfigError, OffloadError, one_line
+from ..errors import ConfigError, OffloadError
 from .chunk_fill import chunk_values, write_chunk_values
-from .tensor_files import INDEX, SINGLE
+from .tensor_files import INDEX, SINGLE, one_line
 
 
 def _require(module: str, extra: str):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError, one_line
-from .tensor_files import copy_tensor, read_rows
+from ..errors import OffloadError
+from .tensor_files import copy_tensor, one_line, read_rows
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError, one_line
+from ..errors import OffloadError, one_line  # one_line: also what load.py and sources.py import from here
 
 INDEX = "model.safetensors.index.json"
 """The index of a sharded checkpoint: ``{"metadata": {...}, "weight_map": {tensor: file}}``."""
