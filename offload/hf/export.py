@@ -4,9 +4,9 @@
 ``config.json`` (its ``dtype`` set to the weights' dtype, or one given whole), the source
 directory's tokenizer and generation files, and the weights as ``save_pretrained`` writes them --
 ``model.safetensors`` when they fit one shard, else ``model-0000i-of-0000N.safetensors`` +
-``model.safetensors.index.json`` -- streamed one chunk at a time (``offload.export_safetensors``). Everything goes to a temporary
-directory beside the target, which is renamed into place at the end: a crash leaves the previous
-export (or nothing), never half of one.
+``model.safetensors.index.json`` -- streamed one chunk at a time (``offload.export_safetensors``).
+Everything goes to a temporary directory beside the target, which is renamed into place at the
+end: a crash leaves the previous export (or nothing), never half of one.
 
 Tied weights are written once, as transformers writes them: under the source name, not under
 the tied copy's (``lm_head.weight`` is left out when it is ``embed_tokens.weight``). Tensors that
@@ -163,15 +163,15 @@ def _shapes(model) -> dict[str, torch.Size]:
 
 def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.PathLike | None = None,
                       max_shard_size="5GB", dtype=None, rename=None, transform=None,
-                      hf_config=None, expand=None, config: dict | None = None) -> Path:
+                      hf_config=None, expand=None, config: dict | bytes | None = None) -> Path:
     """Write ``model`` (wrapped, an HF ``PreTrainedModel``) as an HF directory; returns its path.
 
     ``source``: the directory it was loaded from (tokenizer and generation files are copied from
     there; default: the one ``offload.hf.load_pretrained`` recorded). ``dtype``: the weights' dtype
     (default: the engine's compute dtype — the values the model computes with, bit for bit).
     ``rename`` / ``transform``: see ``offload.export_safetensors`` (merged LoRA uses them).
-    ``config``: the ``config.json`` to write, as parsed JSON (``offload.hf.output`` passes the
-    source's, unchanged); default: ``hf_config`` (the model's) with its dtype set to the weights'.
+    ``config``: the ``config.json`` to write, as parsed JSON or as the file's bytes (``offload.hf.output``
+    passes the source's); default: ``hf_config`` (the model's) with its dtype set to the weights'.
     Under data parallelism every rank calls it; rank 0 writes the directory (see
     ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
@@ -201,7 +201,9 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
             tmp = stage.__enter__()
             for f in support_files(Path(source) if source is not None else None):
                 shutil.copy2(f, tmp / f.name)
-            if config is not None:
+            if isinstance(config, bytes):
+                (tmp / "config.json").write_bytes(config)
+            elif config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             else:
                 written = copy.deepcopy(hf_config)

@@ -56,19 +56,21 @@ def write_output(model, directory: str | os.PathLike, *, merge: bool = False, ma
                              config=config)
 
 
-def source_settings(ckpt, wanted: torch.dtype | None) -> tuple[torch.dtype | None, dict | None]:
+def source_settings(ckpt, wanted: torch.dtype | None) -> tuple[torch.dtype | None, dict | bytes | None]:
     """The weights' dtype and the ``config.json`` an output of a model loaded from ``ckpt`` (an
-    ``offload.hf.load.Checkpoint``; None: not loaded from a directory) gets: the source's, or
-    ``wanted`` with the config's dtype set to it. ``(wanted, None)`` without a source."""
+    ``offload.hf.load.Checkpoint``; None: not loaded from a directory) gets: the source's (its
+    bytes), or ``wanted`` and the source's config with its dtype set to it. ``(wanted, None)``
+    without a source."""
     if ckpt is None:
         return wanted, None
     path = Path(ckpt.directory) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        raw = path.read_bytes()
+        config = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise OffloadError(f"{path}: the source's config cannot be read again for the output ({exc})") from exc
     if wanted is None:
-        return ckpt.weights_dtype, config
+        return ckpt.weights_dtype, raw
     # transformers 5 writes "dtype", 4.x "torch_dtype"; both read "torch_dtype".
     config["torch_dtype"] = _NAMES[wanted]
     if "dtype" in config:
