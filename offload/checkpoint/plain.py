@@ -43,27 +43,24 @@ def check_plain(data: bytes, obj, what: str) -> None:
     try:
         torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as exc:
-        where = _foreign(obj, what)
-        found = f"{where[0]} is a {where[1]}" if where else _cause(exc)
-        raise ConfigError(what, type(obj).__name__, f"{found}: a checkpoint keeps tensors and plain data only "
-                                                    "(dict, list, tuple, str, int, float, bool, None), so that "
-                                                    "loading one runs no code; convert it first (e.g. a numpy "
-                                                    "array with torch.from_numpy or .tolist())") from exc
+        field, value = _foreign(obj, what) or (what, _cause(exc))
+        raise ConfigError(field, value, "a checkpoint keeps tensors and plain data only (dict, list, tuple, "
+                                        "str, int, float, bool, None), so that loading one runs no code; "
+                                        "convert it first (a numpy array: torch.from_numpy or .tolist())") from exc
 
 
 def _foreign(obj, path: str) -> tuple[str, str] | None:
     """``(path, type name)`` of the first value in ``obj`` that is not a tensor or plain data."""
-    if type(obj) in (dict, list, tuple, set, frozenset) or isinstance(obj, dict):
+    if isinstance(obj, (dict, list, tuple, set, frozenset)):
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         for key, value in items:
             if isinstance(obj, dict) and not isinstance(key, _LEAVES):
-                return f"{path} key {key!r}", type(key).__name__
+                return f"{path} key {key!r}", f"{type(key).__module__}.{type(key).__qualname__}"
             found = _foreign(value, f"{path}[{key!r}]")
             if found:
                 return found
         return None
-    return None if isinstance(obj, _LEAVES) and type(obj).__module__ in ("builtins", "torch") else \
-        (path, f"{type(obj).__module__}.{type(obj).__qualname__}")
+    return None if isinstance(obj, _LEAVES) else (path, f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
 def _cause(exc: BaseException) -> str:
