@@ -106,7 +106,9 @@ def resumable(directory: str | os.PathLike) -> tuple[Path, dict] | None:
 def saved_chunk_size(directory: str | os.PathLike) -> int | None:
     """The ``chunk_size`` (elements) of the checkpoint a resume from ``directory`` loads (see
     ``resumable``), or None when there is none. A checkpoint loads only into a model laid out
-    with its chunk size; a trainer builds the model with this one, whatever the budgets say now."""
+    with its chunk size; a trainer builds the model with this one, whatever the budgets say now.
+    (A chunk that fails its checksum while loading sends a resume to an older checkpoint: one a
+    trainer wrote the same way, so of the same chunk size; another one is refused naming both.)"""
     chosen = resumable(directory)
     if chosen is None:
         return None
