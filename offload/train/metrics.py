@@ -10,18 +10,27 @@ key                 TensorBoard tag             unit
 ==================  ==========================  ===========================================
 loss                train/loss
 lr                  train/lr
+loss_scale          train/loss_scale            fp16's dynamic loss scale
 tokens_per_s        perf/tokens_per_s           tokens per second
 tflops              perf/tflops                 1e12 floating-point operations per second
 step_s              time/step_s                 seconds, the whole step as measured
 predicted_step_s    time/predicted_step_s       seconds, the planner's prediction
-compute_s           time/compute_s              seconds
-wait_s              time/wait_s                 seconds waiting for chunks to arrive
-optimizer_s         time/optimizer_s            seconds of CPU Adam
+compute_s           time/compute_s              seconds of the step computing
+wait_s              time/wait_s                 seconds of the step waiting for chunks
+optimizer_s         time/optimizer_s            seconds of the step inside optimizer.step()
+activation_wait_s   time/activation_wait_s      seconds of the step waiting for activations
+adam_s              time/adam_s                 seconds of CPU Adam (beside backward or not)
+optimizer_wait_s    time/optimizer_wait_s       seconds Adam waited for its state
 prefetch_hit_rate   prefetch/hit_rate           fraction of chunk fetches already under way
+chunk_fetches       prefetch/chunk_fetches      chunks compute asked for
 moved/<a>-><b>      moved/<a>_to_<b>            bytes moved from tier <a> to tier <b>
+collective_bytes    moved/collectives           bytes this rank sent to the others
 peak_rss_bytes      memory/peak_rss_bytes       bytes
 anything else       other/<key>
 ==================  ==========================  ===========================================
+
+The engine's keys come from ``step_values`` (``offload/train/step_split.py``, which says what
+each part of the step covers); the others from the trainer.
 
 TensorBoard tags keep to letters, digits, ``_ - . /`` (what TensorFlow's summary ``_clean_tag`` lets
 through; torch's ``SummaryWriter`` checks nothing), so ``->`` becomes ``_to_`` and any other character ``_``.
@@ -58,7 +67,13 @@ TAGS = {
     "compute_s": "time/compute_s",
     "wait_s": "time/wait_s",
     "optimizer_s": "time/optimizer_s",
+    "activation_wait_s": "time/activation_wait_s",
+    "adam_s": "time/adam_s",
+    "optimizer_wait_s": "time/optimizer_wait_s",
     "prefetch_hit_rate": "prefetch/hit_rate",
+    "chunk_fetches": "prefetch/chunk_fetches",
+    "collective_bytes": "moved/collectives",
+    "loss_scale": "train/loss_scale",
     "peak_rss_bytes": "memory/peak_rss_bytes",
 }
 # What the PNG draws; only these are kept in memory over the run.
