@@ -194,7 +194,7 @@ class Metrics:
     def _write_png(self) -> None:
         h = self._history
         if not any(h[k] for k in PLOTTED):
-            logger.warning("no %s: no step was logged", self._plot_dir / PNG_NAME)
+            logger.warning("no %s: no step logged a loss or a step time", self._plot_dir / PNG_NAME)
             return
         self._plot_dir.mkdir(parents=True, exist_ok=True)
         path = self._plot_dir / PNG_NAME
@@ -260,6 +260,8 @@ def _draw(h: dict[str, list[tuple[int, float]]]):
                 base = [b + y for b, y in zip(base, ys)]
         else:
             bottom.stackplot(steps, *parts.values(), labels=list(parts), colors=[colors[n] for n in parts])
+    else:
+        bottom.text(0.5, 0.5, "no step times were logged", transform=bottom.transAxes, ha="center", va="center")
     if h["predicted_step_s"]:
         ps, pv = zip(*h["predicted_step_s"])
         bottom.plot(ps, pv, color="black", linestyle="--", linewidth=1.5, label="planner's prediction")

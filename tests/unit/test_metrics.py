@@ -196,3 +196,24 @@ def test_values_that_are_not_numbers_are_refused_and_tensors_are_read():
     with pytest.raises(OffloadError, match="'step' is the first argument"):
         m.log(3, {"step": 3})
     m.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_under_way_is_one_warning_and_the_other_destinations_go_on(tmp_path, caplog):
+    m = Metrics(json_log="/dev/full", plot_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="offload.train"):
+        for step in (1, 2, 3):
+            m.log(step, {"loss": 1.0 / step, "step_s": 0.1})
+        m.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "/dev/full" in warnings[0] and "no more of them this run" in warnings[0]
+    assert _is_png(tmp_path / PNG_NAME)
+
+
+def test_nothing_to_draw_is_a_warning_and_no_png(tmp_path, caplog):
+    m = Metrics(plot_dir=tmp_path / "plots")
+    m.log(1, {"lr": 1e-3})
+    with caplog.at_level(logging.WARNING, logger="offload.train"):
+        m.close()
+    assert any("no step logged a loss or a step time" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "plots").exists()
