@@ -37,10 +37,11 @@ through; torch's ``SummaryWriter`` checks nothing), so ``->`` becomes ``_to_`` a
 The JSON lines keep every key as given (``{"step": N, **values}``, appended and flushed each step:
 ``scripts/finetune_100b.py``'s ``loss, tokens_per_s, tflops, step_s, peak_rss_bytes`` among them).
 
-The metrics are a record of the run, never a reason to lose it: a missing ``tensorboard`` package or
-an unwritable destination is an error at construction (before any training), a missing matplotlib a
-one-line warning (the run goes on without the PNG), and a write that fails once training is under way
-(a full disk, the PNG at the end) a one-line warning that turns that destination off.
+The metrics are a record of the run, never a reason to lose it: a missing ``tensorboard`` package
+or an unwritable destination (the PNG's directory included) is an error at construction, before
+any training; a missing matplotlib a one-line warning (the run goes on without the PNG); a write
+that fails once training is under way (a full disk, the PNG at the end) a one-line warning that
+turns that destination off.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from offload.errors import ConfigError, OffloadError, UnsupportedError
@@ -108,6 +110,13 @@ class Metrics:
         # The writer that can fail for want of a package comes first: nothing is created before it.
         if tensorboard is not None:
             self._tensorboard = _open_tensorboard(tensorboard)
+        if self._plot_dir is not None:
+            if _has_matplotlib():
+                self._check_plot_dir()
+                self._history = {k: [] for k in PLOTTED}
+            else:
+                logger.warning("no %s: matplotlib is not installed (pip install 'offload[plot]'); the run goes on "
+                               "without it", self._plot_dir / PNG_NAME)
         if json_log is not None:
             try:
                 Path(json_log).parent.mkdir(parents=True, exist_ok=True)
@@ -115,12 +124,6 @@ class Metrics:
             except OSError as e:
                 self._close_tensorboard()
                 raise ConfigError("--json-log", json_log, f"cannot write it: {e.strerror or e}") from None
-        if self._plot_dir is not None:
-            if _has_matplotlib():
-                self._history = {k: [] for k in PLOTTED}
-            else:
-                logger.warning("no %s: matplotlib is not installed (pip install 'offload[plot]'); the run goes on "
-                            "without it", self._plot_dir / PNG_NAME)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record one step: ``values`` by key (module docstring); ``None`` means "not measured this step"
@@ -181,6 +184,17 @@ class Metrics:
             logger.warning("TensorBoard events in %s: could not flush them: %s: %s", self._tensorboard_dir,
                         type(e).__name__, e)
         self._tensorboard = None
+
+    def _check_plot_dir(self) -> None:
+        """Where the PNG goes must take a file now: a run of hours must not learn it at its end."""
+        try:
+            self._plot_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self._plot_dir):
+                pass
+        except OSError as e:
+            self._close_tensorboard()
+            raise ConfigError("plot_dir", str(self._plot_dir),
+                              f"cannot write {PNG_NAME} there: {e.strerror or e}") from None
 
     @staticmethod
     def _give_up(sink, what: str, e: Exception):

@@ -162,6 +162,8 @@ def test_unwritable_destinations_are_errors_naming_the_flag_at_construction(tmp_
             Metrics(json_log=ro / "run.jsonl")
         with pytest.raises(ConfigError, match=r"--tensorboard=.*cannot write event files"):
             Metrics(tensorboard=ro / "tb")
+        with pytest.raises(ConfigError, match=r"plot_dir=.*cannot write"):
+            Metrics(plot_dir=ro)
     finally:
         ro.chmod(0o700)
 
@@ -174,16 +176,20 @@ def test_a_path_through_a_file_is_an_error_naming_the_flag(tmp_path):
         Metrics(json_log=blocker / "run.jsonl")
     with pytest.raises(ConfigError, match=r"--tensorboard=.*cannot write event files"):
         Metrics(tensorboard=blocker / "tb")
+    with pytest.raises(ConfigError, match=rf"plot_dir=.*cannot write {PNG_NAME} there"):
+        Metrics(json_log=tmp_path / "run.jsonl", plot_dir=blocker / "plots")
+    assert not (tmp_path / "run.jsonl").exists()       # refused before anything was written
 
 
-def test_an_unwritable_plot_dir_at_close_is_a_warning_and_the_run_keeps_its_log(tmp_path, caplog):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    m = Metrics(json_log=tmp_path / "run.jsonl", plot_dir=blocker / "plots")
+def test_a_plot_dir_gone_at_close_is_a_warning_and_the_run_keeps_its_log(tmp_path, caplog):
+    plots = tmp_path / "plots"
+    m = Metrics(json_log=tmp_path / "run.jsonl", plot_dir=plots)
     m.log(1, {"loss": 1.0, "step_s": 0.1})
+    plots.rmdir()
+    plots.write_text("")                               # the directory became a file during the run
     with caplog.at_level(logging.WARNING, logger="offload.train"):
         m.close()
-    assert any(f"could not write {blocker / 'plots' / PNG_NAME}" in r.getMessage() for r in caplog.records)
+    assert any(f"could not write {plots / PNG_NAME}" in r.getMessage() for r in caplog.records)
     assert json.loads((tmp_path / "run.jsonl").read_text()) == {"step": 1, "loss": 1.0, "step_s": 0.1}
 
 
@@ -216,4 +222,4 @@ def test_nothing_to_draw_is_a_warning_and_no_png(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="offload.train"):
         m.close()
     assert any("no step logged a loss or a step time" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / "plots").exists()
+    assert not (tmp_path / "plots" / PNG_NAME).exists()
