@@ -18,6 +18,18 @@ gives ``Metrics.log`` (``offload/train/metrics.py``) its engine keys:
   beside backward, so it is not a part of the split); ``optimizer_wait_s``: seconds Adam waited
   for its state to arrive from NVMe; ``loss_scale`` under fp16.
 
+In a loop (the trainer's shape)::
+
+    t0 = time.perf_counter()
+    model(ids, labels=labels).loss.backward()
+    t1 = time.perf_counter()
+    optimizer.step()
+    t2 = time.perf_counter()
+    optimizer.zero_grad()
+    step_s = time.perf_counter() - t0
+    metrics.log(step, {"loss": ..., "step_s": step_s,
+                       **step_values(model.offload_stats(), step_s=step_s, optimizer_step_s=t2 - t1)})
+
 The engine resets its counters at every ``step()``, so one ``offload_stats()`` is one step's: no
 differences between snapshots are needed. Its window runs from one ``optimizer.step()`` to the
 next, which a caller's step (data, forward, backward, ``optimizer.step()``) covers.
