@@ -35,6 +35,11 @@ def __getattr__(name):
         from . import preempt
 
         return getattr(preempt, name)
+    if name == "deepspeed_optimizer_kwargs":
+        # offload.compat stays unloaded until used (OffloadConfig.from_deepspeed imports it the same way).
+        from .compat import deepspeed_optimizer_kwargs
+
+        return deepspeed_optimizer_kwargs
     if name == "export_safetensors":
         from .hf.safetensors_export import export_safetensors
 
@@ -72,4 +77,5 @@ __all__ = [
     "on_preempt",
     "export_safetensors",
     "load_safetensors",
+    "deepspeed_optimizer_kwargs",
 ]

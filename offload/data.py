@@ -1,35 +1,42 @@
-"""Training data from one file: plain text, or JSON lines of text, prompt/completion or chat messages.
+"""Training data from one file, tokenized into batches: a token stream, or examples with labels.
 
-- ``.txt`` (any other suffix too): one stream of text; batches are consecutive windows of it.
-- ``.jsonl``, one JSON object a line, all of one kind:
-  ``{"text": ...}`` — joined into one stream, like a .txt file;
-  ``{"prompt": ..., "completion": ...}`` — one example each, loss on the completion's tokens only;
-  ``{"messages": [{"role": ..., "content": ...}, ...]}`` — rendered by the tokenizer's chat
-  template, loss on the assistant turns only.
+What a file holds is ``data_files``' job (the format from its suffix and its content: ``.txt``
+text, ``.jsonl`` JSON lines, ``.json`` a JSON array or JSON lines; ``data_format`` says it
+outright); which tokenizer reads it is ``tokenizer_files``' (``load_tokenizer``, re-exported here).
+This module turns records into tokens:
+
+- text, and ``{"text": ...}`` records joined by blank lines: one stream; batches are consecutive
+  windows of it;
+- ``{"prompt": ..., "completion": ...}``: one example each, loss on the completion's tokens only;
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered by the tokenizer's chat
+  template, loss on the assistant turns only. A tokenizer without a chat template is refused
+  here, when the data is loaded, so a run checks it before planning anything.
   An example is cut to ``seq_len`` tokens and padded after its end; padding and the tokens
   without loss carry label -100 (ignored by the cross-entropy of HF models and of offload's own).
   Right padding needs no attention mask: a causal model never looks ahead at it.
 
-Tokens are bytes (vocabulary 256) unless a Hugging Face tokenizer is given. A bad file — absent,
-unreadable, empty, a line that is not a usable record — is a ``ConfigError`` naming the file and
-the line. ``Batches`` walks the data in a fixed order and its ``state()`` (the next batch's index and
-what file it was) goes into each checkpoint, so a resumed run continues with the next batch. Under
-data parallelism each rank takes its own slice of every global batch (``shard_rows``).
+Tokens are bytes (``ByteTokenizer``, vocabulary 256) when no tokenizer is given. A bad file is a
+``ConfigError`` naming the file and the line or record. ``Batches`` walks the data in a fixed order
+and its ``state()`` (the next batch's index and what file it was) goes into each checkpoint, so a
+resumed run continues with the next batch. Under data parallelism each rank takes its own slice of
+every global batch (``shard_rows``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .data_files import FORMATS, DataFile, read_data_file
 from .errors import ConfigError
+from .tokenizer_files import ByteTokenizer, load_tokenizer
+
+__all__ = ["FORMATS", "IGNORE", "Batches", "Dataset", "load_data", "load_tokenizer", "shard_rows"]
 
 IGNORE = -100
-_KINDS = ("text", "prompt/completion", "messages")
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class Dataset:
     """Tokenized data: one token ``stream`` or a list of ``examples`` ((ids, labels) pairs)."""
 
     path: str
-    kind: str                                     # "stream" or one of the jsonl kinds
+    kind: str                                     # "stream" or a record kind (data_files.record_kind)
     vocab_size: int
     stream: torch.Tensor | None = None            # 1-D int64 tokens
     examples: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
@@ -87,33 +94,33 @@ def _pad(pairs, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Tokens:
-    """Bytes, or a Hugging Face tokenizer: ``encode(text)``, ``vocab_size``, chat templates."""
+    """A Hugging Face tokenizer (or ``ByteTokenizer``) as the loader uses it: ``encode(text)``,
+    ``vocab_size``, the padding and end ids, chat templates."""
 
     def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
 
     @property
     def vocab_size(self) -> int:
-        return 256 if self.tokenizer is None else len(self.tokenizer)
+        return len(self.tokenizer)
 
     @property
     def pad_id(self) -> int:
-        t = self.tokenizer
-        if t is None:
-            return 0
-        for tid in (t.pad_token_id, t.eos_token_id):
+        for tid in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
             if tid is not None:
                 return int(tid)
         return 0
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, text: str, *, special: bool = True) -> list[int]:
-        if self.tokenizer is None:
-            return list(text.encode("utf-8"))
         return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def eos(self) -> list[int]:
-        t = self.tokenizer
-        return [] if t is None or t.eos_token_id is None else [int(t.eos_token_id)]
+        eos = self.tokenizer.eos_token_id
+        return [] if eos is None else [int(eos)]
 
     def chat(self, messages, *, generation_prompt: bool = False) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
@@ -121,102 +128,38 @@ class Tokens:
         return list(out["input_ids"])
 
 
-def load_tokenizer(directory: str | os.PathLike, flag: str = "--tokenizer"):
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as exc:
-        raise ConfigError(flag, str(directory), "needs `pip install transformers`") from exc
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(flag, str(directory), f"has no tokenizer transformers can load ({first})") from exc
+def load_data(path: str | os.PathLike, tokenizer=None, data_format: str = "auto") -> Dataset:
+    """Read and tokenize ``path`` (see the module docstring).
 
-
-def load_data(path: str | os.PathLike, tokenizer=None) -> Dataset:
-    """Read and tokenize ``path`` (see the module docstring); ``tokenizer``: an HF tokenizer or None (bytes)."""
+    ``tokenizer``: a Hugging Face tokenizer (``load_tokenizer``), or None for bytes.
+    ``data_format``: "auto" (from the suffix and the content), "text", "jsonl" or "json"."""
     tokens = Tokens(tokenizer)
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("--data", str(path), "is not a file")
-    try:
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise ConfigError("--data", str(path), f"cannot be read: {exc.strerror}") from exc
-    if not raw.strip():
-        raise ConfigError("--data", str(path), "is empty")
-    if file.suffix != ".jsonl":
-        text = _decode(raw, path)
-        ids = tokens.encode(text)
+    data = read_data_file(path, data_format)
+    if data.text is not None:
+        ids = tokens.encode(data.text)
         if len(ids) < 2:
             raise ConfigError("--data", str(path), "holds fewer than 2 tokens")
-        return Dataset(str(path), "stream", tokens.vocab_size, stream=torch.tensor(ids, dtype=torch.long),
-                       pad_id=tokens.pad_id)
-    records = _records(raw, path)
-    kind = records[0][1]
-    if kind == "text":
-        ids = tokens.encode("\n\n".join(r["text"] for _, _, r in records))
-        return Dataset(str(path), kind, tokens.vocab_size, stream=torch.tensor(ids, dtype=torch.long),
-                       pad_id=tokens.pad_id)
-    if kind == "messages" and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
-        raise ConfigError("--data", f"{path}:{records[0][0]}", "has chat 'messages': they need a tokenizer "
-                          "with a chat template (--tokenizer DIR, or a --model DIR whose tokenizer has one)")
+        return _stream(data, tokens, ids)
+    if data.kind == "text":
+        return _stream(data, tokens, tokens.encode("\n\n".join(r.fields["text"] for r in data.records)))
+    if data.kind == "messages" and not tokens.has_chat_template:
+        raise ConfigError("--data", data.where(data.records[0].number),
+                          "has chat 'messages': they need a tokenizer with a chat template (--tokenizer DIR, "
+                          "or a --model DIR whose tokenizer has one)")
     examples = []
-    for line, _, record in records:
-        pair = _prompt_completion(tokens, record) if kind == "prompt/completion" else _chat(tokens, record, path, line)
+    for record in data.records:
+        pair = _prompt_completion(tokens, record.fields) if data.kind == "prompt/completion" \
+            else _chat(tokens, record.fields, data.where(record.number))
         if (pair[1] != IGNORE).any():
             examples.append(pair)
     if not examples:
-        raise ConfigError("--data", str(path), f"has no usable record ({kind} records with no tokens to learn)")
-    return Dataset(str(path), kind, tokens.vocab_size, examples=tuple(examples), pad_id=tokens.pad_id)
+        raise ConfigError("--data", str(path), f"has no usable record ({data.kind} records with no tokens to learn)")
+    return Dataset(str(path), data.kind, tokens.vocab_size, examples=tuple(examples), pad_id=tokens.pad_id)
 
 
-def _decode(raw: bytes, path, line: int | None = None) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        where = f"{path}:{line}" if line is not None else f"{path} (byte {exc.start})"
-        raise ConfigError("--data", where, "is not UTF-8 text") from exc
-
-
-def _records(raw: bytes, path) -> list[tuple[int, str, dict]]:
-    """``[(line number, kind, record)]`` of the non-blank lines, all of one kind."""
-    out = []
-    for i, line in enumerate(raw.split(b"\n"), 1):
-        text = _decode(line, path, i).strip()
-        if not text:
-            continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("--data", f"{path}:{i}", f"is not JSON ({exc.msg} at column {exc.colno})") from exc
-        kind = _kind(record)
-        if kind is None:
-            raise ConfigError("--data", f"{path}:{i}", "expected a JSON object with a string 'text', string "
-                              "'prompt' and 'completion', or a 'messages' list of {role, content}")
-        if out and kind != out[0][1]:
-            raise ConfigError("--data", f"{path}:{i}", f"is a {kind} record; line {out[0][0]} was {out[0][1]} "
-                              "(one kind per file)")
-        out.append((i, kind, record))
-    if not out:
-        raise ConfigError("--data", str(path), "has no records (only blank lines)")
-    if all(not r.get("text", "x") for _, _, r in out):
-        raise ConfigError("--data", str(path), "has no usable record (every 'text' is empty)")
-    return out
-
-
-def _kind(record) -> str | None:
-    if not isinstance(record, dict):
-        return None
-    if isinstance(record.get("text"), str):
-        return "text"
-    if isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return "prompt/completion"
-    msgs = record.get("messages")
-    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                               and isinstance(m.get("content"), str) for m in msgs):
-        return "messages"
-    return None
+def _stream(data: DataFile, tokens: Tokens, ids: list[int]) -> Dataset:
+    return Dataset(data.path, data.kind, tokens.vocab_size, stream=torch.tensor(ids, dtype=torch.long),
+                   pad_id=tokens.pad_id)
 
 
 def _prompt_completion(tokens: Tokens, record: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +171,7 @@ def _prompt_completion(tokens: Tokens, record: dict) -> tuple[torch.Tensor, torc
     return ids, labels
 
 
-def _chat(tokens: Tokens, record: dict, path, line: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chat(tokens: Tokens, record: dict, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of the rendered conversation; labels only on each assistant turn's tokens.
 
     A turn's tokens are those between the conversation rendered up to it (with the generation
@@ -245,7 +188,7 @@ def _chat(tokens: Tokens, record: dict, path, line: int) -> tuple[torch.Tensor, 
             labels[start:end] = ids[start:end]
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError("--data", f"{path}:{line}", f"the chat template cannot render these messages ({first})") from exc
+        raise ConfigError("--data", where, f"the chat template cannot render these messages ({first})") from exc
     return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
 
 

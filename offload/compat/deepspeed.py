@@ -10,10 +10,13 @@ Every key falls in one of three groups:
   ``thread_count`` / ``intra_op_parallelism``), ``bf16`` / ``fp16`` (``initial_scale_power``,
   ``loss_scale_window``), ``gradient_accumulation_steps``, ``zero_optimization.sub_group_size``
   (→ ``chunk_size``) and ``stage3_prefetch_bucket_size`` (→ ``prefetch_depth`` in chunks).
-* **ignored** — tuning knobs of DeepSpeed's own machinery that have no counterpart here (bucket
-  sizes for collectives, buffer pools, persistence thresholds, logging, batch sizes: loading data
-  stays the user's). They are accepted and listed, with the reason, in one WARNING line of the
-  ``offload.config`` logger.
+* **listed** — every key the ``OffloadConfig`` does not use, with the reason, in one WARNING
+  line of the ``offload.config`` logger: tuning knobs of DeepSpeed's own machinery that have no
+  counterpart here (bucket sizes for collectives, buffer pools, persistence thresholds, logging,
+  batch sizes: loading data stays the user's), keys of a precision section that is not enabled,
+  a legacy spelling shadowed by the current one, and ``optimizer`` and ``gradient_clipping``:
+  those are ``offload.AdamW``'s arguments (``deepspeed_optimizer_kwargs(ds)`` gives them,
+  ``gradient_clipping`` as ``max_grad_norm``), so the line shows their values and says so.
 * **refused** — settings whose meaning we would not honour (static loss scaling, GPUDirect
   Storage, a partial CPU optimizer ``ratio``, optimizers other than Adam/AdamW, quantized ZeRO
   weights or gradients, ...). They raise ``ConfigError`` whose field is the exact DeepSpeed key
@@ -54,6 +57,7 @@ from .deepspeed_keys import (
     IGNORED_TOP,
     IGNORED_ZERO,
     OPT_KEYS,
+    OPTIMIZER_KEYS,
     PARAM_KEYS,
     SUB_GROUP_DEFAULT,
     check_keys,
@@ -68,6 +72,7 @@ from .deepspeed_keys import (
 from .deepspeed_optimizer import read_optimizer
 
 logger = logging.getLogger("offload.config")
+_TO_ADAMW = "pass offload.AdamW(params, **deepspeed_optimizer_kwargs(ds))"
 
 __all__ = ["from_deepspeed", "deepspeed_optimizer_kwargs", "load_deepspeed_config"]
 
@@ -92,7 +97,7 @@ def from_deepspeed(ds: Union[dict, str, Path], **overrides: Any) -> OffloadConfi
 
     ``overrides`` are ``OffloadConfig`` fields set after the mapping (e.g. ``device="cpu"``,
     ``cpu_budget="8GiB"``): DeepSpeed has no notion of byte budgets, so they stay ``"auto"``
-    unless given here. See the module documentation for which keys are mapped, ignored (one
+    unless given here. See the module documentation for which keys are mapped, listed (one
     WARNING line on the ``offload.config`` logger) or refused (``ConfigError`` naming the key).
     """
     cfg = load_deepspeed_config(ds)
@@ -103,7 +108,7 @@ def from_deepspeed(ds: Union[dict, str, Path], **overrides: Any) -> OffloadConfi
         reason = IGNORED_TOP.get(key)
         if reason is None:
             ignored.append(f"{key} (not a setting offload knows)")
-        elif reason and key not in ("optimizer", "gradient_clipping"):
+        elif reason and key not in OPTIMIZER_KEYS:
             ignored.append(f"{key} ({reason})")
 
     _map_precision(cfg, fields, ignored)
@@ -117,8 +122,9 @@ def from_deepspeed(ds: Union[dict, str, Path], **overrides: Any) -> OffloadConfi
     elif gas is not None:
         fields["gradient_accumulation_steps"] = read_int(gas, "gradient_accumulation_steps", 1)
 
-    # Refuse an optimizer we cannot run now rather than at optimizer construction.
-    read_optimizer(cfg)
+    # Refuse an optimizer we cannot run now rather than at optimizer construction; what it does
+    # accept is offload.AdamW's, not the wrapped model's, so it is listed with where it goes.
+    ignored.extend(_optimizer_keys(cfg, read_optimizer(cfg)[0]))
 
     try:
         config = OffloadConfig(**fields)
@@ -129,6 +135,21 @@ def from_deepspeed(ds: Union[dict, str, Path], **overrides: Any) -> OffloadConfi
     if ignored:
         logger.warning("from_deepspeed: accepted without effect: %s", "; ".join(ignored))
     return config
+
+
+def _optimizer_keys(cfg: dict, kwargs: dict) -> list[str]:
+    """``optimizer`` and ``gradient_clipping`` as entries of the ignored list: ``OffloadConfig``
+    has no field for them (Adam's numbers and clipping are ``offload.AdamW``'s arguments), so each
+    says what it holds and where it goes."""
+    out = []
+    opt = cfg.get("optimizer") or {}
+    if opt:
+        params = "".join(f", {k}={v!r}" for k, v in (opt.get("params") or {}).items())
+        out.append(f"optimizer ({opt.get('type')}{params}: {_TO_ADAMW})")
+    if "gradient_clipping" in cfg:
+        made = f"max_grad_norm={kwargs['max_grad_norm']!r}" if "max_grad_norm" in kwargs else "AdamW's default"
+        out.append(f"gradient_clipping={cfg['gradient_clipping']!r} (-> {made}: {_TO_ADAMW})")
+    return out
 
 
 # OffloadConfig field -> the DeepSpeed key it came from (to name it in range errors)
@@ -159,6 +180,11 @@ def _map_precision(cfg: dict, fields: dict, ignored: list[str]) -> None:
     fp_on = False if is_auto(fp_raw) else read_bool(fp_raw, "fp16.enabled")
     if bf_on and fp_on:
         raise ConfigError("fp16.enabled", True, f"and {bf_key}.enabled=true cannot both be set")
+    if "bf16" in cfg and "bfloat16" in cfg:
+        ignored.append("bfloat16 (bf16 is read: the same section under its older name)")
+    for key, section, on in ((bf_key, bf16, bf_on), ("fp16", fp16, fp_on)):
+        if not on:
+            ignored.extend(f"{key}.{k} ({key} is not enabled)" for k in section if k != "enabled")
     if not (bf_on or fp_on) and (is_auto(bf_raw) or is_auto(fp_raw)):
         ignored.append(f"{bf_key if is_auto(bf_raw) else 'fp16'}.enabled='auto' (dtype stays "
                        f"{OffloadConfig().dtype}: pass the dtype= override)")
@@ -228,6 +254,11 @@ def _map_zero(cfg: dict, fields: dict, ignored: list[str]) -> None:
                           "move the section to the top level")
 
     # legacy spellings (DeepSpeed < 0.3.16)
+    if "cpu_offload_use_pin_memory" in zero and not (zero.get("cpu_offload") or zero.get("cpu_offload_params")):
+        ignored.append(f"{p}.cpu_offload_use_pin_memory (neither cpu_offload nor cpu_offload_params is set)")
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+        if old in zero and new in zero:
+            ignored.append(f"{p}.{old} ({p}.{new} is read: the newer spelling of the same setting)")
     if zero.get("cpu_offload") and "offload_optimizer" not in zero:
         zero = {**zero, "offload_optimizer": {"device": "cpu",
                                               "pin_memory": bool(zero.get("cpu_offload_use_pin_memory", False))}}
@@ -295,6 +326,8 @@ def _map_zero(cfg: dict, fields: dict, ignored: list[str]) -> None:
             fields["chunk_size"] = chunk
     # stage3_prefetch_bucket_size (elements fetched ahead) -> chunks ahead
     key = "stage3_prefetch_bucket_size" if "stage3_prefetch_bucket_size" in zero else "prefetch_bucket_size"
+    if key != "prefetch_bucket_size" and "prefetch_bucket_size" in zero:
+        ignored.append(f"{p}.prefetch_bucket_size ({p}.{key} is read: they name the same setting)")
     bucket = zero.get(key)
     if bucket is not None and not is_auto(bucket):
         bucket = read_int(bucket, f"{p}.{key}")

@@ -61,6 +61,9 @@ IGNORED_TOP = {
     "gradient_accumulation_steps": "",
 }
 
+# Top-level keys that are offload.AdamW's arguments (deepspeed_optimizer_kwargs), not OffloadConfig's.
+OPTIMIZER_KEYS = ("optimizer", "gradient_clipping")
+
 IGNORED_ZERO = {
     "reduce_bucket_size": "no data-parallel reduction",
     "allgather_bucket_size": "no data-parallel all-gather",

@@ -246,3 +246,55 @@ def test_aio_numbers_map_or_name_their_key(block, depth, threads):
 def test_fp16_numbers_property(power, window):
     cfg = from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": power, "loss_scale_window": window}})
     assert cfg.initial_loss_scale == 2.0**power and cfg.loss_scale_window == window
+
+
+# ---- every key from_deepspeed does not use is listed (issue 26 point 9) ---------------------------
+def warning_of(caplog, ds):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        from_deepspeed(ds)
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.config"]
+    assert len(lines) <= 1
+    return lines[0] if lines else ""
+
+
+def test_optimizer_and_clipping_are_listed_with_where_they_go(caplog):
+    line = warning_of(caplog, {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "eps": "auto"}},
+                               "gradient_clipping": 1.0})
+    assert "optimizer (AdamW, lr=3e-05, eps='auto'" in line
+    assert "gradient_clipping=1.0 (-> max_grad_norm=1.0" in line
+    assert line.count("deepspeed_optimizer_kwargs(ds)") == 2
+    assert "gradient_clipping='auto' (-> AdamW's default" in warning_of(caplog, {"gradient_clipping": "auto"})
+    assert "gradient_clipping" in warning_of(caplog, HF_INFINITY) and "optimizer (AdamW" in warning_of(caplog, HF_INFINITY)
+
+
+@pytest.mark.parametrize("ds,listed", [
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": False, "loss_scale_window": 500}},
+     "fp16.loss_scale_window (fp16 is not enabled)"),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "bfloat16 (bf16 is read"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1e6, "prefetch_bucket_size": 1e6}},
+     "zero_optimization.prefetch_bucket_size (zero_optimization.stage3_prefetch_bucket_size is read"),
+    ({"zero_optimization": {"cpu_offload_use_pin_memory": True}},
+     "zero_optimization.cpu_offload_use_pin_memory (neither"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.cpu_offload (zero_optimization.offload_optimizer is read"),
+])
+def test_keys_shadowed_or_switched_off_are_listed(caplog, ds, listed):
+    assert listed in warning_of(caplog, ds)
+
+
+def test_nothing_listed_when_every_key_is_used(caplog):
+    assert warning_of(caplog, {"bf16": {"enabled": True}, "gradient_accumulation_steps": 4,
+                               "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                     "offload_optimizer": {"device": "cpu"}}}) == ""
+
+
+def test_deepspeed_optimizer_kwargs_is_exported_and_documented():
+    import pathlib
+
+    import offload
+
+    assert "deepspeed_optimizer_kwargs" in offload.__all__
+    assert offload.deepspeed_optimizer_kwargs({"gradient_clipping": 2.0}) == {"max_grad_norm": 2.0}
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    assert "offload.deepspeed_optimizer_kwargs(" in readme
