@@ -4,7 +4,6 @@ dtype, a checkpoint that does not verify (skipped with a line saying which and w
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -12,17 +11,10 @@ import sys
 import pytest
 
 import offload
+from offload.train import cli as script
 from tests.helpers import finetune_runs as runs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("finetune_100b", runs.SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tokenizer_missing_files_one_line_no_traceback(tmp_path):
@@ -36,7 +28,7 @@ def test_tokenizer_missing_files_one_line_no_traceback(tmp_path):
     assert last.startswith("finetune: error: --tokenizer=") and "merges.txt" in last and str(tok) in last
 
 
-def test_resume_errors_name_what_differs(script, reference_run, disk_tmp, capsys):
+def test_resume_errors_name_what_differs(reference_run, disk_tmp, capsys):
     reference, steps = reference_run
     args = runs.TRAIN_ARGS + ["--nvme-path", str(disk_tmp / "nvme"), "--steps", str(steps)]
     with pytest.raises(offload.OffloadError, match="no checkpoint in") as info:
