@@ -66,10 +66,18 @@ class NvmeIOError(OffloadError, OSError):
 
 
 class ChecksumError(NvmeIOError):
-    """Data read back does not match the CRC32C recorded when it was written."""
+    """Data read back does not match the CRC32C recorded when it was written (or is not the
+    size recorded). ``errno`` is EIO for callers that treat it as a failed read, but the message
+    says what it is: the read itself succeeded."""
 
     def __init__(self, path: str, offset: int, length: int, what: str = "CRC32C mismatch"):
         super().__init__(_errno.EIO, path, offset, length, what)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what} at offset {self.offset} (length {self.length})"
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.offset, self.length, self.what))
 
 
 class TierFullError(OffloadError, MemoryError):

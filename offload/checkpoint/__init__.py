@@ -17,6 +17,10 @@ A checkpoint directory holds::
     optimizer_state.pt     optimizer state of parameters the engine does not own (only if any)
     extra.pt               ``extra`` when it is not JSON-serializable
 
+The ``.pt`` files hold tensors and plain data only and are read with ``torch.load(weights_only=True)``:
+one carrying any other pickled object is refused naming it, and nothing of it runs (``plain``);
+saving refuses such a value up front, naming it.
+
 Under data parallelism (N ranks) the chunk files are per rank -- ``rank-0000r/param.bin`` and so
 on, each holding the chunks rank r owns (``offload.distributed.sharding``) -- and the manifest
 (version 2) records ``"world": N``, each kind's ``files`` (one per rank) and each chunk entry's
@@ -42,20 +46,26 @@ point leaves the previous checkpoint and ``latest`` intact; the next save remove
 ``.tmp-*`` directories of dead processes. If ``latest`` is missing or names an incomplete
 directory, loading falls back to the newest complete ``step-*`` checkpoint.
 
+Layout: a checkpoint loads only into a model laid out with its ``chunk_size`` (recorded in the
+manifest's ``layout``); ``saved_chunk_size(root)`` reads it from the checkpoint a resume would
+load, so a run resumed under other budgets builds its model with it (the budgets choose the
+chunk size only for a fresh start).
+
 Fallback: a resume verifies as it loads and, when a checkpoint does not verify (checksum,
 truncation, unreadable manifest), warns (``CheckpointSkipped``) naming it and why and loads
 the next older one (``loading``). ``verify_checkpoint`` / ``offload checkpoint verify DIR``
 check every checksum without a model.
 
 Modules: ``format`` (names, manifest, checksums), ``files`` (durable writes, stale temp dirs),
-``listing`` (which checkpoints exist, in which order a resume tries them), ``model_state``
+``listing`` (which checkpoints exist, in which order a resume tries them, which one it starts
+with and its chunk size), ``plain`` (tensors and plain data only, in and out), ``model_state``
 (the model and optimizer side), ``ranks`` (which rank keeps what, and how ranks agree),
 ``compat`` (does a checkpoint fit the model), ``saving``, ``loading``, ``verify``.
 """
 
 from .files import SYNC_EVERY, write_file_atomic
 from .format import FORMAT, LATEST, MANIFEST, SAVED_KINDS, SHARDED_VERSION, VERSION
-from .listing import candidates, list_checkpoints, resolve_checkpoint
+from .listing import candidates, list_checkpoints, resolve_checkpoint, resumable, saved_chunk_size
 from .loading import CheckpointSkipped, load_checkpoint, resume
 from .model_state import persistent_buffers
 from .saving import save_checkpoint
@@ -65,5 +75,6 @@ __all__ = [
     "FORMAT", "LATEST", "MANIFEST", "SAVED_KINDS", "SHARDED_VERSION", "SYNC_EVERY", "VERSION",
     "CheckpointSkipped", "Verdict",
     "candidates", "list_checkpoints", "load_checkpoint", "persistent_buffers", "resolve_checkpoint",
-    "resume", "save_checkpoint", "verify_checkpoint", "verify_root", "write_file_atomic",
+    "resumable", "resume", "save_checkpoint", "saved_chunk_size", "verify_checkpoint", "verify_root",
+    "write_file_atomic",
 ]

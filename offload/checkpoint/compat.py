@@ -28,11 +28,20 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
         raise ConfigError("dtype", engine.config.dtype, f"the checkpoint {ckpt} was saved with dtype "
                                                         f"{manifest['dtype']!r}")
     chunks = engine.chunks
-    _check_params(chunks, lay, ckpt)
     layout = chunks.layout
-    if lay["chunk_size"] != layout.chunk_size or lay["num_chunks"] != layout.num_chunks:
+    # The chunk size first: under another one every parameter sits elsewhere, and the fix is
+    # to build the model with the checkpoint's (budgets choose it when it is "auto").
+    if lay["chunk_size"] != layout.chunk_size:
         raise ConfigError("chunk_size", layout.chunk_size,
-                          f"the checkpoint {ckpt} has {lay['num_chunks']} chunks of {lay['chunk_size']} elements")
+                          f"the checkpoint {ckpt} was written with chunk_size={lay['chunk_size']}, a different "
+                          f"chunk layout from this model's chunk_size={layout.chunk_size}: build the model with "
+                          f"OffloadConfig(chunk_size={lay['chunk_size']}) -- "
+                          f"offload.checkpoint.saved_chunk_size(DIR) reads it -- to resume from it")
+    _check_params(chunks, lay, ckpt)
+    if lay["num_chunks"] != layout.num_chunks:
+        raise ConfigError("chunk_size", layout.chunk_size,
+                          f"the checkpoint {ckpt} has {lay['num_chunks']} chunks of {lay['chunk_size']} elements, "
+                          f"this model {layout.num_chunks}")
     params = len(chunks.step_state().adam_steps)
     if len(manifest["adam_steps"]) != params:
         raise OffloadError(f"{ckpt / MANIFEST}: {len(manifest['adam_steps'])} step counts for {params} parameters")

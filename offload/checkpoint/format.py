@@ -89,8 +89,8 @@ def read_manifest(ckpt: Path) -> dict:
     if MANIFEST_CRC in manifest:          # absent in checkpoints of older versions
         want, got = manifest.pop(MANIFEST_CRC), _manifest_crc(manifest)
         if want != got:
-            raise ChecksumError(str(ckpt / MANIFEST), 0, 0, f"the manifest's own crc32 does not match "
-                                                            f"(expected {want:#010x}, got {got:#010x})")
+            raise ChecksumError(str(ckpt / MANIFEST), 0, 0, f"checksum mismatch of the manifest's own "
+                                                            f"crc32 (expected {want:#010x}, got {got:#010x})")
     return manifest
 
 
@@ -103,9 +103,16 @@ def read_checked_file(ckpt: Path, entry: dict, algorithm: str) -> bytes:
         raise OffloadError(f"checkpoint file {path} cannot be read: {exc}") from exc
     got = checksum_bytes(algorithm, data)
     if len(data) != entry["bytes"] or got != entry[algorithm]:
-        raise ChecksumError(str(path), 0, len(data), f"{algorithm} mismatch in {entry['file']} "
-                                                     f"(expected {entry[algorithm]:#010x}, got {got:#010x})")
+        raise ChecksumError(str(path), 0, len(data),
+                            f"checksum mismatch ({algorithm}: expected {entry[algorithm]:#010x} over "
+                            f"{entry['bytes']} bytes, got {got:#010x} over {len(data)})")
     return data
+
+
+def small_files(manifest: dict) -> list[dict]:
+    """The whole-file entries of a manifest (buffers, optimizer state, ``extra``): those present."""
+    return [e for e in (manifest.get("buffers"), manifest.get("extra_file"),
+                        (manifest.get("optimizer") or {}).get("state")) if e]
 
 
 def entry_bytes(info: dict, entry: dict) -> int:

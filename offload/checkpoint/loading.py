@@ -9,8 +9,11 @@ mismatch, an I/O error. A checkpoint that is intact but does not fit the model (
 model, dtype or chunk layout: ``ConfigError``) is never skipped: that is the caller's mistake
 and falling back would hide it.
 
+Which checkpoint: ``candidates`` gives the order, ``intact`` (manifest, file sizes) the first
+test -- the same two ``saved_chunk_size`` chooses by before the model is built.
+
 Small files (optimizer state, buffers, ``extra``) are read and verified before anything in
-the model changes; chunks are verified as they stream in, so a mismatch there leaves the
+the model changes, as tensors and plain data only (``plain``: a pickled object is refused); chunks are verified as they stream in, so a mismatch there leaves the
 model partly loaded -- and the next candidate then overwrites every chunk.
 
 Several ranks (data parallelism): every rank calls it; rank 0 lists the candidates, each rank
@@ -23,7 +26,6 @@ raise. So all ranks always end on the same checkpoint.
 
 from __future__ import annotations
 
-import io
 import os
 import time
 import warnings
@@ -34,9 +36,10 @@ import torch
 from ..engine.access import engine_of
 from ..errors import ChecksumError, ConfigError, OffloadError
 from .compat import check_compatible
-from .format import DTYPES, checksum, entry_bytes, entry_file, read_checked_file, read_manifest
-from .listing import candidates
+from .format import DTYPES, checksum, entry_bytes, entry_file, read_checked_file
+from .listing import candidates, intact
 from .model_state import persistent_buffers, pipelined, restore_hypers
+from .plain import load_plain
 from .ranks import PeerFailed, Ranks, peer_error, report
 
 
@@ -139,13 +142,12 @@ def _load_one(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
 
 
 def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
-    manifest = read_manifest(ckpt)
+    manifest = intact(ckpt)          # what ``saved_chunk_size`` chose by, too
     check_compatible(engine, manifest, ckpt, ranks)
     algorithm = manifest["checksum"]
 
-    def small(entry):
-        return torch.load(io.BytesIO(read_checked_file(ckpt, entry, algorithm)), weights_only=False,
-                          map_location="cpu")
+    def small(entry):           # tensors and plain data only: nothing in the file runs (``plain``)
+        return load_plain(ckpt / entry["file"], read_checked_file(ckpt, entry, algorithm))
 
     # Every small file is read and verified before the model changes.
     opt = manifest.get("optimizer")
@@ -204,13 +206,13 @@ def read_chunk(fd: int, path: Path, kind: str, c: int, entry: dict, nbytes: int,
                               f"reading chunk {kind}[{c}]") from exc
         if not n:
             raise ChecksumError(str(path), entry["offset"] + got, nbytes - got,
-                                f"short read of chunk {kind}[{c}]")
+                                f"short read (end of file) of chunk {kind}[{c}]")
         got += n
     crc = checksum(algorithm, view)
     if crc != entry[algorithm]:
         raise ChecksumError(str(path), entry["offset"], nbytes,
-                            f"{algorithm} mismatch in chunk {kind}[{c}] of {path.name} "
-                            f"(expected {entry[algorithm]:#010x}, got {crc:#010x})")
+                            f"checksum mismatch ({algorithm}: expected {entry[algorithm]:#010x}, got {crc:#010x}) "
+                            f"of chunk {kind}[{c}]")
     return view
 
 

@@ -28,14 +28,18 @@ from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SHARDED_VERSION, VER
 from .listing import list_checkpoints
 from .model_state import (foreign_optimizer_state, group_hypers, layout_entries, model_kinds, persistent_buffers,
                           pipelined)
+from .plain import check_plain
 from .ranks import Ranks, shard_dir
 
 
 def torch_save_checked(obj, path: Path, algorithm: str) -> dict:
+    """``torch.save(obj, path)``, fsynced; refused (``ConfigError``) unless a ``weights_only``
+    load gives it back (``plain``); returns the manifest's entry for the file."""
     torch.save(obj, path)
     with open(path, "rb+") as f:
         data = f.read()
         os.fsync(f.fileno())
+    check_plain(data, obj, path.stem)
     return {"file": path.name, "bytes": len(data), algorithm: checksum_bytes(algorithm, data)}
 
 

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ConfigError, OffloadError
 from .format import (LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, entry_bytes, entry_file, entry_rank, kind_files,
-                     read_checked_file, read_manifest)
+                     read_checked_file, read_manifest, small_files)
 from .listing import candidates, is_complete
 
 
@@ -55,8 +55,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
             _verify_kind(ckpt, kind, info, algorithm, verdict)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             verdict.problems.append(f"manifest: {kind} entries malformed ({type(exc).__name__}: {exc})")
-    small = [manifest.get("buffers"), manifest.get("extra_file"), (manifest.get("optimizer") or {}).get("state")]
-    for entry in filter(None, small):
+    for entry in small_files(manifest):
         try:
             verdict.bytes += len(read_checked_file(ckpt, entry, algorithm))
             verdict.files += 1
