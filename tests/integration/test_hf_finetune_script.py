@@ -138,7 +138,6 @@ def test_lora_merge_writes_base_plus_adapter(disk_tmp):
     (["--preset", "tiny"], ConfigError, "exclude each other"),
     (["--data", "{empty}"], ConfigError, "empty.jsonl.* is empty"),
     (["--data", "{nothing}"], ConfigError, "nothing.jsonl.*no usable record"),
-    (["--lora-rank", "0"], ConfigError, "--lora-rank=0"),
     (["--lora-rank", "2", "--lora-targets", "nope_proj"], ConfigError, "--lora-targets"),
 ])
 def test_bad_arguments_are_one_line_errors(disk_tmp, extra, error, match):
