@@ -264,9 +264,10 @@ class Trainer:
         from ..hf.output import write_output
 
         c, model = self.config, self.model
-        config = getattr(model, "config", None)
+        # an HF model's config (a preset's is the engine's own, with no use_cache)
+        config = getattr(model, "config", None) if self.model_info is not None else None
         training = getattr(config, "use_cache", None)
-        if config is not None and self.model_info is not None:
+        if config is not None:
             config.use_cache = getattr(self.model_info.hf_config, "use_cache", training)
         try:
             extra = {} if c.output.output_dtype is None else {"dtype": c.output.output_dtype}
