@@ -13,8 +13,9 @@ Which checkpoint: ``candidates`` gives the order, ``intact`` (manifest, file siz
 test -- the same two ``saved_chunk_size`` chooses by before the model is built.
 
 Small files (optimizer state, buffers, ``extra``) are read and verified before anything in
-the model changes, as tensors and plain data only (``plain``: a pickled object is refused); chunks are verified as they stream in, so a mismatch there leaves the
-model partly loaded -- and the next candidate then overwrites every chunk.
+the model changes, as tensors and plain data only (``plain``: a pickled object is refused);
+chunks are verified as they stream in, so a mismatch there leaves the model partly loaded --
+and the next candidate then overwrites every chunk.
 
 Several ranks (data parallelism): every rank calls it; rank 0 lists the candidates, each rank
 loads the chunks it keeps at the current world size (``Ranks.keeps``), whichever rank's files

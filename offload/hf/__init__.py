@@ -5,7 +5,8 @@ Modules: ``load`` (a model directory: config, shard headers, meta model, streami
 ``sources`` (which checkpoint tensors make each model tensor, transformers' conversions applied),
 ``tensor_files`` (safetensors file names, reading tensors in row blocks), ``export`` (an HF
 directory out), ``lora``, ``describe`` (a model's shape for the planner), ``output`` (what a
-fine-tuning run writes at its end). Chunk I/O for weight files, through the chunk interface
+fine-tuning run writes at its end: the source's dtype and config unless asked), ``preset`` (a
+from-scratch ``offload.models.llama`` model as a transformers Llama). Chunk I/O for weight files, through the chunk interface
 (``engine.chunks``): ``safetensors_export`` (``offload.export_safetensors``, streamed shards),
 ``chunk_source`` (an export's chunks from their owner ranks), ``safetensors_load``
 (``offload.load_safetensors``), ``chunk_fill`` (a chunk's values assembled from tensors).

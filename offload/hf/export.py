@@ -1,11 +1,12 @@
 """An HF model directory out: config, tokenizer files, sharded safetensors with an index.
 
 ``export_pretrained(model, directory)`` writes what ``AutoModelForCausalLM.from_pretrained`` reads:
-``config.json`` (its ``dtype`` set to the weights' dtype), the source directory's tokenizer and
-generation files, and ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``,
-streamed one chunk at a time (``offload.export_safetensors``). Everything goes to a temporary
-directory beside the target, which is renamed into place at the end: a crash leaves the previous
-export (or nothing), never half of one.
+``config.json`` (its ``dtype`` set to the weights' dtype, or one given whole), the source
+directory's tokenizer and generation files, and the weights as ``save_pretrained`` writes them --
+``model.safetensors`` when they fit one shard, else ``model-0000i-of-0000N.safetensors`` +
+``model.safetensors.index.json`` -- streamed one chunk at a time (``offload.export_safetensors``).
+Everything goes to a temporary directory beside the target, which is renamed into place at the
+end: a crash leaves the previous export (or nothing), never half of one.
 
 Tied weights are written once, as transformers writes them: under the source name, not under
 the tied copy's (``lm_head.weight`` is left out when it is ``embed_tokens.weight``). Tensors that
@@ -17,6 +18,7 @@ transformers converts on load are written in the checkpoint layout its ``save_pr
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 from pathlib import Path
@@ -161,20 +163,22 @@ def _shapes(model) -> dict[str, torch.Size]:
 
 def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.PathLike | None = None,
                       max_shard_size="5GB", dtype=None, rename=None, transform=None,
-                      hf_config=None, expand=None) -> Path:
+                      hf_config=None, expand=None, config: dict | bytes | None = None) -> Path:
     """Write ``model`` (wrapped, an HF ``PreTrainedModel``) as an HF directory; returns its path.
 
     ``source``: the directory it was loaded from (tokenizer and generation files are copied from
     there; default: the one ``offload.hf.load_pretrained`` recorded). ``dtype``: the weights' dtype
     (default: the engine's compute dtype — the values the model computes with, bit for bit).
     ``rename`` / ``transform``: see ``offload.export_safetensors`` (merged LoRA uses them).
+    ``config``: the ``config.json`` to write, as parsed JSON or as the file's bytes (``offload.hf.output``
+    passes the source's); default: ``hf_config`` (the model's) with its dtype set to the weights'.
     Under data parallelism every rank calls it; rank 0 writes the directory (see
     ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
     from .safetensors_export import export_safetensors, parse_dtype
 
     hf_config = hf_config if hf_config is not None else getattr(model, "config", None)
-    if hf_config is None or not hasattr(hf_config, "to_json_file"):
+    if config is None and (hf_config is None or not hasattr(hf_config, "to_json_file")):
         raise ConfigError("model", type(model).__name__, "has no Hugging Face config to export with")
     engine = engine_of(model)
     out_dtype = parse_dtype(dtype) or (engine.chunks.kinds["param"] if engine is not None else torch.float32)
@@ -188,7 +192,8 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
         if rename is not None:
             names = {rename(n): shape for n, shape in names.items() if rename(n) is not None}
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        expand = hub_layout(base, names)
+        # Only a transformers model has conversions to revert (a preset's names are HF's already).
+        expand = hub_layout(base, names) if hasattr(getattr(base, "config", None), "to_json_file") else None
     ranks = Ranks.of(engine) if engine is not None else Ranks()
     stage, tmp, error = StagedDirectory(directory, marker="config.json"), None, None
     if ranks.lead:
@@ -196,9 +201,14 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
             tmp = stage.__enter__()
             for f in support_files(Path(source) if source is not None else None):
                 shutil.copy2(f, tmp / f.name)
-            config = copy.deepcopy(hf_config)
-            config.dtype = out_dtype
-            config.to_json_file(str(tmp / "config.json"))
+            if isinstance(config, bytes):
+                (tmp / "config.json").write_bytes(config)
+            elif config is not None:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            else:
+                written = copy.deepcopy(hf_config)
+                written.dtype = out_dtype
+                written.to_json_file(str(tmp / "config.json"))
         except BaseException as exc:
             if tmp is not None:
                 stage.__exit__(type(exc), exc, None)

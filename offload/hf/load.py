@@ -28,7 +28,7 @@ from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
 from .chunk_fill import chunk_values, write_chunk_values
-from .tensor_files import INDEX, SINGLE, one_line
+from .tensor_files import FLOAT_DTYPES, INDEX, SINGLE, one_line
 
 
 def _require(module: str, extra: str):
@@ -42,6 +42,7 @@ def _require(module: str, extra: str):
 class TensorInfo:
     file: Path
     shape: tuple[int, ...]
+    dtype: str = ""                    # safetensors' name: "F32", "BF16", "F16", ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,16 @@ class Checkpoint:
     @property
     def largest_tensor_bytes(self) -> int:
         return max((4 * _numel(t.shape) for t in self.tensors.values()), default=0)
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The floating-point dtype that holds most of the weights (what the files store, whatever
+        ``config.json`` says); None when the headers name no floating-point tensor."""
+        count: dict[str, int] = {}
+        for t in self.tensors.values():
+            if t.dtype in FLOAT_DTYPES:
+                count[t.dtype] = count.get(t.dtype, 0) + _numel(t.shape)
+        return FLOAT_DTYPES[max(count, key=count.get)] if count else None
 
 
 def _numel(shape) -> int:
@@ -107,7 +118,8 @@ def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = TensorInfo(path, tuple(f.get_slice(name).get_shape()))
+                    sl = f.get_slice(name)
+                    tensors[name] = TensorInfo(path, tuple(sl.get_shape()), sl.get_dtype())
         except Exception as exc:
             raise OffloadError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
     if weight_map is not None:

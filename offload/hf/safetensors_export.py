@@ -2,7 +2,8 @@
 
 ``export_safetensors(model, directory)`` writes ``model-0000i-of-0000N.safetensors`` shards and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map": {name: file}}``),
-the layout ``transformers``' ``from_pretrained`` reads. The shards are planned from the chunk
+or ``model.safetensors`` alone when everything fits one shard -- the layouts ``transformers``'
+``save_pretrained`` writes and ``from_pretrained`` reads. The shards are planned from the chunk
 layout before any data is read (names, shapes and sizes are known), so each file's header is
 written first and the tensor bytes are then streamed in layout order, one chunk in memory at a
 time: exporting a 100B model needs about one chunk of extra RAM, not one shard. The files are
@@ -28,7 +29,7 @@ from ..checkpoint import persistent_buffers, write_file_atomic
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .chunk_source import ChunkSource
-from .tensor_files import INDEX
+from .tensor_files import INDEX, SINGLE
 
 DEFAULT_MAX_SHARD = 2 << 30
 _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -97,7 +98,8 @@ def _write_all(f, data: torch.Tensor, path: Path, name: str) -> None:
 def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD,
                        dtype=None, metadata: dict[str, str] | None = None, rename=None,
                        transform=None, expand=None) -> list[Path]:
-    """Write ``model``'s weights as HF safetensors shards + index in ``directory``; returns the shard paths.
+    """Write ``model``'s weights as HF safetensors shards + index (one shard: ``model.safetensors``,
+    no index) in ``directory``; returns the shard paths.
 
     ``dtype``: the file dtype (torch dtype or "bf16"/"fp16"/"fp32"); None = the engine's compute
     dtype (those are the exact values the model computes with); another dtype is converted from
@@ -155,8 +157,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
                 expanded.append(part)
         entries = expanded
     shards = _plan(entries, max_shard_bytes)
-    n = len(shards)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = shard_names(len(shards))
     values = None if chunks is None else ChunkSource(chunks, source)
     if values is not None and not values.ranks.lead:
         values.follow(_chunk_order(shards))      # rank 0 writes; this rank serves the chunks it keeps
@@ -171,6 +172,14 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     if values is not None:
         values.finish()
     return [root / f for f in names]
+
+
+def shard_names(n: int) -> list[str]:
+    """The weight files of an export in ``n`` shards, as ``save_pretrained`` names them: one is
+    ``model.safetensors`` (no index), several ``model-0000i-of-0000N.safetensors``."""
+    if n == 1:
+        return [SINGLE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 def _chunk_order(shards: list[list[_Entry]]) -> list[int]:
@@ -216,8 +225,11 @@ def _write_shards(shards, names, root: Path, meta: dict, chunks, transform) -> N
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_file_atomic(root / INDEX, json.dumps(index, indent=2).encode())
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_file_atomic(root / INDEX, json.dumps(index, indent=2).encode())
+    else:
+        (root / INDEX).unlink(missing_ok=True)      # an earlier export's, in several shards
     for old in root.iterdir():              # shards of an earlier export with another shard count
-        if _SHARD.match(old.name) and old.name not in names:
+        if (_SHARD.match(old.name) or old.name == SINGLE) and old.name not in names:
             old.unlink()

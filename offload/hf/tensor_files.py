@@ -18,6 +18,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 """The weights file of an unsharded checkpoint."""
 
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""safetensors' names of the floating-point dtypes a model's weights come in."""
+
 BLOCK_BYTES = 8 << 20
 """Rows of a tensor are read in blocks of about this size, each through its own ``safe_open``: a
 shard's pages stay mapped (and count in RSS) only while their block is copied."""

@@ -309,7 +309,7 @@ def test_safetensors_shape_mismatch_names_tensor(disk_tmp):
     model, _ = build(nvme)
     offload.export_safetensors(model, out)
     other, _ = build(nvme, vocab=80)
-    with pytest.raises(offload.ConfigError, match=r"model-00001-of-00001\.safetensors.*wte\.weight"):
+    with pytest.raises(offload.ConfigError, match=r"model\.safetensors.*wte\.weight"):
         offload.load_safetensors(other, out)
     small, _ = build(nvme, layers=2)
     with pytest.raises(offload.OffloadError, match="blocks.2"):

@@ -108,7 +108,11 @@ def test_bf16_weights_are_transformers_bf16_weights(disk_tmp):
     ref = hf_load(src, torch.bfloat16)
     export_pretrained(model, disk_tmp / "out")
     back = hf_load(disk_tmp / "out", torch.bfloat16)
-    names = json.loads((disk_tmp / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not (disk_tmp / "out" / "model.safetensors.index.json").exists()     # one shard: one file, no index
+    from safetensors import safe_open
+
+    with safe_open(str(disk_tmp / "out" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
     assert "lm_head.weight" not in names                               # tied: written once, as transformers does
     assert json.loads((disk_tmp / "out" / "config.json").read_text())["dtype"] == "bfloat16"
     for name, value in ref.state_dict().items():
@@ -121,7 +125,8 @@ def test_export_replaces_an_earlier_export_whole(disk_tmp):
     model = load_pretrained(src, config(disk_tmp / "nvme"))
     export_pretrained(model, disk_tmp / "out", max_shard_size="20KB")
     export_pretrained(model, disk_tmp / "out", max_shard_size="1MB")    # fewer shards now
-    assert sorted(p.name for p in (disk_tmp / "out").glob("*.safetensors")) == ["model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in (disk_tmp / "out").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (disk_tmp / "out" / "model.safetensors.index.json").exists()
     assert not [p for p in disk_tmp.iterdir() if p.name.startswith(".out")]    # no temp dirs left
     (disk_tmp / "mine").mkdir()
     (disk_tmp / "mine" / "notes.txt").write_text("keep")

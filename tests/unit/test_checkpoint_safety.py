@@ -145,3 +145,28 @@ def test_a_checksum_mismatch_says_so_and_names_file_chunk_and_offset(tmp_path):
     assert "EIO" not in message and "Input/output" not in message
     assert message.startswith(f"{ckpt / 'exp_avg.bin'}: checksum mismatch") and "exp_avg[1]" in message
     assert f"offset {entry['offset']}" in message
+
+
+def test_a_run_resumes_under_other_budgets(tmp_path):
+    """The issue's case: the budgets change between runs and with them the "auto" chunk size."""
+    def run(cpu_budget, chunk_size="auto"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        model = offload.wrap(net, offload.OffloadConfig(device="cpu", dtype="fp32", device_budget="1MiB",
+                                                        cpu_budget=cpu_budget, chunk_size=chunk_size))
+        return model, offload.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = run("1MiB")
+    step(model, opt)
+    save_checkpoint(model, opt, tmp_path / "ckpt")
+    want = params(model)
+    step(model, opt, seed=2)
+    after = params(model)
+    resumed, opt2 = run("192KiB", chunk_size=saved_chunk_size(tmp_path / "ckpt") or "auto")
+    fresh, _ = run("192KiB")
+    assert fresh.offload_engine.chunks.layout.chunk_size != resumed.offload_engine.chunks.layout.chunk_size
+    offload.load_checkpoint(resumed, opt2, tmp_path / "ckpt")
+    assert all(torch.equal(v, want[k]) for k, v in params(resumed).items())
+    step(resumed, opt2, seed=2)
+    for k, v in params(resumed).items():
+        assert torch.equal(v, after[k]), k
