@@ -270,9 +270,8 @@ class Trainer:
         if config is not None:
             config.use_cache = getattr(self.model_info.hf_config, "use_cache", training)
         try:
-            extra = {} if c.output.output_dtype is None else {"dtype": c.output.output_dtype}
             path = write_output(model, c.output.output, merge=c.output.merge,
-                                max_shard_size=c.output.max_shard_size, **extra)
+                                max_shard_size=c.output.max_shard_size, dtype=c.output.output_dtype)
         finally:
             if config is not None:
                 config.use_cache = training

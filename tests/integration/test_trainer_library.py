@@ -1,7 +1,8 @@
 """The trainer as a library and as ``offload finetune``: a TOML file gives the same run as the
 flags; a ``Trainer`` subclass with its own loss trains with it; ``--resume`` before any checkpoint
 starts fresh, and a checkpoint resumes under other budgets (the model is built with the chunk size
-it was written with).
+it was written with); a preset run writes ``--output`` (in ``--output-dtype``); ``--tensorboard``
+gets the step figures.
 Each run is the tiny preset on the CPU with budgets below its state (NVMe forced)."""
 
 from __future__ import annotations
@@ -103,3 +104,19 @@ def test_resume_starts_fresh_without_a_checkpoint_and_resumes_under_other_budget
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {resumed / step2.name} at step 2" in done.stderr
     assert losses(disk_tmp / "b.jsonl") == pytest.approx(straight[2:], rel=1e-5)
+
+
+def test_a_preset_run_writes_its_output_in_the_dtype_asked(disk_tmp):
+    pytest.importorskip("safetensors")
+    from safetensors import safe_open
+
+    (disk_tmp / "nvme").mkdir()
+    out = disk_tmp / "out"
+    done = script(*ARGS, "--steps", "2", "--nvme-path", str(disk_tmp / "nvme"), "--output", str(out),
+                  "--output-dtype", "bf16", "--tensorboard", str(disk_tmp / "tb"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"finetune: wrote the model to {out}" in done.stderr
+    assert (out / "config.json").is_file()
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"BF16"}
+    assert list((disk_tmp / "tb").glob("events.out.tfevents.*"))
