@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from .errors import OffloadError
@@ -30,6 +31,23 @@ BENCH_COMMANDS = {
 }
 
 
+class HelpParser(argparse.ArgumentParser):
+    """argparse printing help as plain text: a docstring's reST literal (two backticks each side)
+    shows as 'literal'. Subcommands' parsers are of this class too (argparse makes them of
+    the parent's class), so every ``--help`` reads the same."""
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+    def format_usage(self) -> str:
+        return plain_text(super().format_usage())
+
+
+def plain_text(text: str) -> str:
+    """``text`` with reST inline literals (also when help wrapping broke one over lines) in single quotes."""
+    return re.sub(r"``(.+?)``", r"'\1'", text, flags=re.S)
+
+
 def _add(sub, name: str, module: str, help_text: str) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     try:
@@ -42,7 +60,7 @@ def _add(sub, name: str, module: str, help_text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload", description=__doc__.splitlines()[0])
+    parser = HelpParser(prog="offload", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():

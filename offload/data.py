@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .data_files import FORMATS, DataFile, read_data_file
-from .errors import ConfigError
+from .errors import ConfigError, one_line
 from .tokenizer_files import ByteTokenizer, load_tokenizer
 
 __all__ = ["FORMATS", "IGNORE", "Batches", "Dataset", "load_data", "load_tokenizer", "shard_rows"]
@@ -187,8 +187,7 @@ def _chat(tokens: Tokens, record: dict, where: str) -> tuple[torch.Tensor, torch
             end = len(tokens.chat(msgs[:i + 1]))
             labels[start:end] = ids[start:end]
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError("--data", where, f"the chat template cannot render these messages ({first})") from exc
+        raise ConfigError("--data", where, f"the chat template cannot render these messages ({one_line(exc)})") from exc
     return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
 
 

@@ -106,3 +106,11 @@ class PinnedMemoryError(OffloadError, MemoryError):
 
 class StateError(OffloadError, RuntimeError):
     """An illegal chunk or tensor state transition (names the from/to states)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line, the whole message: its lines joined by single spaces (a
+    library's multi-line message, e.g. transformers' config validation, is otherwise cut to a
+    header ending in ':' with the reason on the next line)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

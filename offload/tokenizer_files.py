@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, one_line
 
 # What each tokenizer family reads; any one complete set will do.
 FILE_SETS = (
@@ -112,8 +112,7 @@ def load_tokenizer(directory: str | os.PathLike | None, flag: str = "--tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(flag, str(directory), f"has no tokenizer transformers can load ({first})") from exc
+        raise ConfigError(flag, str(directory), f"has no tokenizer transformers can load ({one_line(exc)})") from exc
     return _fitting(tokenizer, vocab_size, flag, str(directory))
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: a temp directory on a real (disk-backed) filesystem, and the GPU skip."""
+"""Shared fixtures: a measurement cache of its own for every test, a temp directory on a real (disk-backed) filesystem, and the GPU skip."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _measurement_cache(tmp_path_factory, monkeypatch):
+    """Each test its own planner measurement cache: a measurement faked in one test is never read by
+    another, nor by a real run (the default is ~/.cache/offload)."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("offload-cache")))
 
 
 @pytest.fixture

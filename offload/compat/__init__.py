@@ -9,7 +9,7 @@ A DeepSpeed ZeRO / ZeRO-Infinity config (a dict, or the path of its JSON file) g
 
 * ``deepspeed`` — the entry points (``from_deepspeed``, ``deepspeed_optimizer_kwargs``,
   ``load_deepspeed_config``), each section mapped to ``OffloadConfig`` fields, and the rules:
-  which keys are mapped, ignored with a logged reason, or refused; what the ZeRO stage and
+  which keys are mapped, listed with the reason in one logged line, or refused; what the ZeRO stage and
   each section's ``device`` become.
 * ``deepspeed_optimizer`` — ``optimizer`` and ``gradient_clipping`` read as ``offload.AdamW``'s
   arguments.

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, OffloadError
+from ..errors import ConfigError, OffloadError, one_line
 from ..models.llama import LlamaConfig
 
 
@@ -69,9 +69,8 @@ def describe(directory: str | os.PathLike, lora=None) -> ModelDescription:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OffloadError(f"{root / 'config.json'}: transformers cannot build a causal LM from it "
-                           f"({type(exc).__name__}: {first})") from exc
+                           f"({one_line(exc)})") from exc
     if lora is not None:
         from .lora import peft_model
 

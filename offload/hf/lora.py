@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError, OffloadError
+from ..errors import ConfigError, OffloadError, one_line
 
 PREFIX = "base_model.model."
 
@@ -71,8 +71,22 @@ def peft_model(model: nn.Module, settings: LoraSettings) -> nn.Module:
     try:
         return peft.get_peft_model(model, settings.peft_config())
     except Exception as exc:         # NoMatchingPeftModuleError, ValueError for unsupported layers, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError("--lora-targets", ",".join(settings.targets or ()) or "(peft default)", first) from exc
+        if settings.targets is None and "target_modules" in str(exc):
+            raise ConfigError("--lora-targets", None, no_default_targets(model)) from exc
+        raise ConfigError("--lora-targets", ",".join(settings.targets or ()) or "(peft default)",
+                          one_line(exc)) from exc
+
+
+def no_default_targets(model: nn.Module) -> str:
+    """What to say when peft knows no default target modules for ``model``'s architecture: the
+    flag to pass and the model's own linear layers to pick from (the output head left out)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                    if name and m is not head and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")})
+    kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    example = ",".join(n for n in ("q_proj", "v_proj") if n in names) or ",".join(names[:2])
+    return (f"peft has no default LoRA target modules for {kind!r} models: pass --lora-targets "
+            f"{example or 'NAMES'} (this model's linear modules: {', '.join(names) or 'none'})")
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:

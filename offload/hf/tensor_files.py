@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import OffloadError
+from ..errors import OffloadError, one_line  # one_line: also what load.py and sources.py import from here
 
 INDEX = "model.safetensors.index.json"
 """The index of a sharded checkpoint: ``{"metadata": {...}, "weight_map": {tensor: file}}``."""
@@ -24,12 +24,6 @@ FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat
 BLOCK_BYTES = 8 << 20
 """Rows of a tensor are read in blocks of about this size, each through its own ``safe_open``: a
 shard's pages stay mapped (and count in RSS) only while their block is copied."""
-
-
-def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, for errors that must fit on one line."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def read_rows(file: Path, name: str, start: int, stop: int | None = None) -> torch.Tensor:

@@ -32,9 +32,13 @@ Modules, in the order a plan is made:
 The ``offload plan`` command:
 
 * ``cli`` — its flags and ``run``.
+* ``defaults`` — the batch shape ``offload plan`` and the trainer both default to.
 * ``flags`` — byte sizes and counts from the command line, and the models ``--model`` names.
-* ``figures`` — the box's figures: given, read from bench JSON, measured or assumed.
+* ``figures`` — the box's figures: given, read from bench JSON, measured or assumed
+  (``hardware_for``, the trainer's call; ``gather_hardware``, the command's).
 * ``probes`` — the measurements (NVMe, CPU Adam, GPU matmul and PCIe, a CPU compute probe).
+* ``cache`` — the measurements kept on disk per machine and NVMe filesystem, so the next launch
+  measures nothing.
 * ``report`` — the plan and the ways as the command prints them.
 """
 

@@ -6,6 +6,7 @@ the plan and the ways (``report``) and, with ``--json``, write them; exit 1 when
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,8 +15,10 @@ from ..errors import ConfigError
 from .choice import choice_json, choose
 from .figures import ASSUMED_PCIE_GBPS, gather_hardware
 from .defaults import BATCH_TOKENS, SEQ_LEN
-from .flags import default_seq_len, describe_models, positive_int_flag, size_flag
+from .flags import (default_seq_len, describe_models, lora_targets, positive_int_flag, rate, size, size_flag,
+                    whole)
 from .inputs import DTYPE_BYTES, Policy
+from .model import resolve_model
 from .report import format_choice, format_plan
 
 
@@ -24,42 +27,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--model", required=True, help="preset: tiny, small, 1b, 7b, 13b, 70b, 100b (or llama-100b, ...), "
                                      "or a local Hugging Face model directory (its config.json is read)")
-    a("--lora-rank", type=int, help="with a model directory: plan a LoRA fine-tune of this rank as well "
-                                    "(frozen weights cost only their parameter chunks)")
-    a("--lora-targets", help="LoRA target modules, comma-separated (default: peft's for the architecture)")
-    a("--gpu-mem", help="GPU memory, e.g. 80G (default: measured; none = CPU-only)")
-    a("--cpu-mem", help="RAM for the run, e.g. 512G (default: measured available RAM)")
+    a("--lora-rank", type=whole, help="plan a LoRA fine-tune of this rank as well as the full one (frozen "
+                                      "weights cost only their parameter chunks)")
+    a("--lora-targets", help="LoRA target modules, comma-separated (default: peft's for the architecture; "
+                             "q_proj,v_proj for a preset)")
+    a("--gpu-mem", type=size, help="GPU memory, e.g. 80G (default: measured; without a GPU here, a CPU-only "
+                                   "plan; given without one here: that GPU's TFLOPS assumed by its memory)")
+    a("--cpu-mem", type=size, help="RAM for the run, e.g. 512G (default: measured available RAM)")
     a("--nvme-path", action="append", default=[], metavar="DIR",
       help="an NVMe directory (repeat to stripe): free space and bandwidth are measured there")
-    a("--nvme-capacity", help="free NVMe bytes on the box described, e.g. 8T")
-    a("--nvme-gbps", type=float, help="NVMe read bandwidth of the box, GB/s (aggregate)")
-    a("--nvme-write-gbps", type=float, help="NVMe write bandwidth, GB/s (default: --nvme-gbps)")
+    a("--nvme-capacity", type=size, help="free NVMe bytes on the box described, e.g. 8T")
+    a("--nvme-gbps", type=rate, help="NVMe read bandwidth of the box, GB/s (aggregate)")
+    a("--nvme-write-gbps", type=rate, help="NVMe write bandwidth, GB/s (default: --nvme-gbps)")
     a("--nvme-bench", metavar="FILE", help="read NVMe GB/s from saved `offload bench nvme --json` output")
-    a("--gpu-tflops", type=float, help="achieved bf16 matmul TFLOPS of the GPU")
-    a("--cpu-gflops", type=float, help="achieved matmul GFLOPS of the CPU (CPU-only boxes)")
-    a("--pcie-gbps", type=float,
+    a("--gpu-tflops", type=rate, help="achieved bf16 matmul TFLOPS of the GPU")
+    a("--cpu-gflops", type=rate, help="achieved matmul GFLOPS of the CPU (CPU-only boxes)")
+    a("--pcie-gbps", type=rate,
       help=f"host<->GPU GB/s each way (default: measured, or {ASSUMED_PCIE_GBPS:g})")
-    a("--adam-params-per-s", type=float, help="CPU Adam throughput, parameters/s")
+    a("--adam-params-per-s", type=rate, help="CPU Adam throughput, parameters/s")
     a("--adam-bench", metavar="FILE", help="read Adam params/s from saved `offload bench adam --json` output")
-    a("--batch-tokens", type=int, default=BATCH_TOKENS,
+    a("--batch-tokens", type=whole, default=BATCH_TOKENS,
       help=f"tokens per step, all ranks together (default {BATCH_TOKENS}, as `offload finetune`)")
-    a("--seq-len", type=int, help=f"sequence length (default {SEQ_LEN}, as `offload finetune`; capped at the "
+    a("--seq-len", type=whole, help=f"sequence length (default {SEQ_LEN}, as `offload finetune`; capped at the "
                                   "model's maximum and at --batch-tokens)")
     a("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="compute precision (default bf16)")
-    a("--device-budget", help="engine's device budget: chunk bytes on the compute device, activations "
+    a("--device-budget", type=size, help="engine's device budget: chunk bytes on the compute device, activations "
                               "not included (default: the engine's auto, 50%% of GPU memory; CPU-only 25%% of RAM)")
-    a("--cpu-budget", help="engine's CPU budget: chunk bytes in RAM (default: the engine's auto, 50%% of "
+    a("--cpu-budget", type=size, help="engine's CPU budget: chunk bytes in RAM (default: the engine's auto, 50%% of "
                            "the RAM the device did not take)")
     a("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
     a("--defer-step", action="store_true", help="hold all gradients until backward ends (grad clipping)")
     a("--activation-offload", default="auto", choices=("auto", "none", "cpu", "nvme"),
       help="where checkpointed layers' inputs wait for backward (default auto: the planner picks the "
            "fastest way that fits, also weighing gradient accumulation)")
-    a("--micro-batches", type=int, help="gradient accumulation: passes per step (default: the planner picks)")
-    a("--world", type=int, default=1, help="data parallelism: ranks training together (torchrun's "
+    a("--micro-batches", type=whole, help="gradient accumulation: passes per step (default: the planner picks)")
+    a("--world", type=whole, default=1, help="data parallelism: ranks training together (torchrun's "
                                           "WORLD_SIZE); the plan is one rank's, --batch-tokens the whole step's")
-    a("--local-world", type=int, help="ranks on this box, sharing its RAM, NVMe and CPU cores (default: "
+    a("--local-world", type=whole, help="ranks on this box, sharing its RAM, NVMe and CPU cores (default: "
                                       "--world, all on one box); each has a GPU of its own")
+    a("--no-cache", action="store_true", help="measure this box again instead of reading the measurements "
+                                             "kept from an earlier run ($OFFLOAD_CACHE_DIR, default ~/.cache/offload)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
 
 
@@ -86,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
         choices = [choose(d.shape, hardware, policy, modes=modes, micro_batches=micro, name=d.name, params=d.params)
                    for d in described]
     else:
-        choices = [choose(args.model, hardware, policy, modes=modes, micro_batches=micro)]
+        ways = [(policy, None)]
+        if args.lora_rank:          # a preset's LoRA fine-tune: the planner's own adapter layout
+            targets = lora_targets(args)
+            lora = dataclasses.replace(policy, lora_rank=args.lora_rank, **({"lora_targets": targets} if targets else {}))
+            ways.append((lora, f"{resolve_model(args.model)[0]} + LoRA r={args.lora_rank}"))
+        choices = [choose(args.model, hardware, po, modes=modes, micro_batches=micro, name=name) for po, name in ways]
     for earlier in choices[:-1]:        # the full fine-tune first, then the LoRA one
         if args.json != "-":
             print(format_plan(earlier.best or earlier.given, sources))

@@ -1,15 +1,51 @@
-"""The values of ``offload plan``'s flags: byte sizes and positive numbers (a bad one raises
-``ConfigError`` naming the flag), and the models ``--model`` names (a preset, or a Hugging Face
-model directory and, with ``--lora-rank``, its LoRA fine-tune)."""
+"""The values of ``offload plan``'s flags: byte sizes and positive numbers, checked by argparse
+when the command line is parsed (``whole``, ``rate``, ``size``: exit 2 naming the flag) and again
+when a library caller hands them over (``size_flag`` ...: ``ConfigError`` naming the flag); and the
+models ``--model`` names (a preset, or a Hugging Face model directory and, with ``--lora-rank``,
+its LoRA fine-tune)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..units import parse_bytes
 from .defaults import SEQ_LEN
+
+
+def whole(text: str) -> int:
+    """argparse type: a whole number > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def rate(text: str) -> float:
+    """argparse type: a finite number > 0 (GB/s, TFLOPS, parameters/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def size(text: str) -> int:
+    """argparse type: a byte count > 0 ("512G", "8T", 4096)."""
+    try:
+        value = parse_bytes(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 80G, 512GB or 8T, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text}")
+    return value
 
 
 def size_flag(value, flag: str) -> int | None:
@@ -50,12 +86,16 @@ def describe_models(args: argparse.Namespace) -> list:
         if args.lora_rank:
             from ..hf.lora import LoraSettings
 
-            targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
-            out.append(describe(args.model, LoraSettings(rank=args.lora_rank, targets=targets)))
-    elif args.lora_rank:
-        raise ConfigError("--lora-rank", args.lora_rank, "needs --model DIR (a Hugging Face model directory)")
+            out.append(describe(args.model, LoraSettings(rank=args.lora_rank, targets=lora_targets(args))))
     args._described = out
     return out
+
+
+def lora_targets(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--lora-targets as a tuple (None: not given, peft's default for the architecture)."""
+    if not args.lora_targets:
+        return None
+    return tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
 
 
 def model_shape(args: argparse.Namespace):

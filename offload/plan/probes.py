@@ -2,7 +2,8 @@
 ``offload bench`` commands' ``measure``), the GPU's matmul rate and PCIe bandwidth, and a CPU
 compute probe; and reading a figure out of a bench result (``bench_number``).
 
-A probe that cannot run raises ``OffloadError`` asking for the figure instead.
+A probe that cannot run raises ``OffloadError`` saying why (``figures`` adds how to give the figure
+instead, in the running command's terms).
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ def measure_nvme(paths: list[str]) -> tuple[float, float]:
             write += bench_number(r, "write_gbps", "offload.bench.nvme.measure()")
         return read, write
     except Exception as exc:  # a missing or failing bench: say so, ask for the figure
-        raise OffloadError(f"could not measure NVMe bandwidth ({type(exc).__name__}: {exc}); "
-                           "give --nvme-gbps or --nvme-bench FILE") from exc
+        raise OffloadError(f"could not measure NVMe bandwidth ({type(exc).__name__}: {exc})") from exc
 
 
 def measure_adam(dtype: str) -> float:
@@ -65,8 +65,7 @@ def measure_adam(dtype: str) -> float:
                     out_dtype="none" if dtype == "fp32" else dtype, repeats=3, **extra)
         return bench_number(r, "params_per_s", "offload.bench.adam.measure()")
     except Exception as exc:  # a missing or failing bench: say so, ask for the figure
-        raise OffloadError(f"could not measure CPU Adam ({type(exc).__name__}: {exc}); "
-                           "give --adam-params-per-s or --adam-bench FILE") from exc
+        raise OffloadError(f"could not measure CPU Adam ({type(exc).__name__}: {exc})") from exc
 
 
 def cuda_or_none():

@@ -10,28 +10,38 @@ key                 TensorBoard tag             unit
 ==================  ==========================  ===========================================
 loss                train/loss
 lr                  train/lr
+loss_scale          train/loss_scale            fp16's dynamic loss scale
 tokens_per_s        perf/tokens_per_s           tokens per second
 tflops              perf/tflops                 1e12 floating-point operations per second
 step_s              time/step_s                 seconds, the whole step as measured
 predicted_step_s    time/predicted_step_s       seconds, the planner's prediction
-compute_s           time/compute_s              seconds
-wait_s              time/wait_s                 seconds waiting for chunks to arrive
-optimizer_s         time/optimizer_s            seconds of CPU Adam
+compute_s           time/compute_s              seconds of the step computing
+wait_s              time/wait_s                 seconds of the step waiting for chunks
+optimizer_s         time/optimizer_s            seconds of the step inside optimizer.step()
+activation_wait_s   time/activation_wait_s      seconds of the step waiting for activations
+adam_s              time/adam_s                 seconds of CPU Adam (beside backward or not)
+optimizer_wait_s    time/optimizer_wait_s       seconds Adam waited for its state
 prefetch_hit_rate   prefetch/hit_rate           fraction of chunk fetches already under way
+chunk_fetches       prefetch/chunk_fetches      chunks compute asked for
 moved/<a>-><b>      moved/<a>_to_<b>            bytes moved from tier <a> to tier <b>
+collective_bytes    moved/collectives           bytes this rank sent to the others
 peak_rss_bytes      memory/peak_rss_bytes       bytes
 anything else       other/<key>
 ==================  ==========================  ===========================================
+
+The engine's keys come from ``step_values`` (``offload/train/step_split.py``, which says what
+each part of the step covers); the others from the trainer.
 
 TensorBoard tags keep to letters, digits, ``_ - . /`` (what TensorFlow's summary ``_clean_tag`` lets
 through; torch's ``SummaryWriter`` checks nothing), so ``->`` becomes ``_to_`` and any other character ``_``.
 The JSON lines keep every key as given (``{"step": N, **values}``, appended and flushed each step:
 ``scripts/finetune_100b.py``'s ``loss, tokens_per_s, tflops, step_s, peak_rss_bytes`` among them).
 
-The metrics are a record of the run, never a reason to lose it: a missing ``tensorboard`` package or
-an unwritable destination is an error at construction (before any training), a missing matplotlib a
-one-line warning (the run goes on without the PNG), and a write that fails once training is under way
-(a full disk, the PNG at the end) a one-line warning that turns that destination off.
+The metrics are a record of the run, never a reason to lose it: a missing ``tensorboard`` package
+or an unwritable destination (the PNG's directory included) is an error at construction, before
+any training; a missing matplotlib a one-line warning (the run goes on without the PNG); a write
+that fails once training is under way (a full disk, the PNG at the end) a one-line warning that
+turns that destination off.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import logging
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from offload.errors import ConfigError, OffloadError, UnsupportedError
@@ -58,7 +69,13 @@ TAGS = {
     "compute_s": "time/compute_s",
     "wait_s": "time/wait_s",
     "optimizer_s": "time/optimizer_s",
+    "activation_wait_s": "time/activation_wait_s",
+    "adam_s": "time/adam_s",
+    "optimizer_wait_s": "time/optimizer_wait_s",
     "prefetch_hit_rate": "prefetch/hit_rate",
+    "chunk_fetches": "prefetch/chunk_fetches",
+    "collective_bytes": "moved/collectives",
+    "loss_scale": "train/loss_scale",
     "peak_rss_bytes": "memory/peak_rss_bytes",
 }
 # What the PNG draws; only these are kept in memory over the run.
@@ -93,6 +110,13 @@ class Metrics:
         # The writer that can fail for want of a package comes first: nothing is created before it.
         if tensorboard is not None:
             self._tensorboard = _open_tensorboard(tensorboard)
+        if self._plot_dir is not None:
+            if _has_matplotlib():
+                self._check_plot_dir()
+                self._history = {k: [] for k in PLOTTED}
+            else:
+                logger.warning("no %s: matplotlib is not installed (pip install 'offload[plot]'); the run goes on "
+                               "without it", self._plot_dir / PNG_NAME)
         if json_log is not None:
             try:
                 Path(json_log).parent.mkdir(parents=True, exist_ok=True)
@@ -100,12 +124,6 @@ class Metrics:
             except OSError as e:
                 self._close_tensorboard()
                 raise ConfigError("--json-log", json_log, f"cannot write it: {e.strerror or e}") from None
-        if self._plot_dir is not None:
-            if _has_matplotlib():
-                self._history = {k: [] for k in PLOTTED}
-            else:
-                logger.warning("no %s: matplotlib is not installed (pip install 'offload[plot]'); the run goes on "
-                            "without it", self._plot_dir / PNG_NAME)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record one step: ``values`` by key (module docstring); ``None`` means "not measured this step"
@@ -167,6 +185,17 @@ class Metrics:
                         type(e).__name__, e)
         self._tensorboard = None
 
+    def _check_plot_dir(self) -> None:
+        """Where the PNG goes must take a file now: a run of hours must not learn it at its end."""
+        try:
+            self._plot_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self._plot_dir):
+                pass
+        except OSError as e:
+            self._close_tensorboard()
+            raise ConfigError("plot_dir", str(self._plot_dir),
+                              f"cannot write {PNG_NAME} there: {e.strerror or e}") from None
+
     @staticmethod
     def _give_up(sink, what: str, e: Exception):
         logger.warning("%s: %s: %s; no more of them this run", what, type(e).__name__, e)
@@ -179,7 +208,7 @@ class Metrics:
     def _write_png(self) -> None:
         h = self._history
         if not any(h[k] for k in PLOTTED):
-            logger.warning("no %s: no step was logged", self._plot_dir / PNG_NAME)
+            logger.warning("no %s: no step logged a loss or a step time", self._plot_dir / PNG_NAME)
             return
         self._plot_dir.mkdir(parents=True, exist_ok=True)
         path = self._plot_dir / PNG_NAME
@@ -245,6 +274,8 @@ def _draw(h: dict[str, list[tuple[int, float]]]):
                 base = [b + y for b, y in zip(base, ys)]
         else:
             bottom.stackplot(steps, *parts.values(), labels=list(parts), colors=[colors[n] for n in parts])
+    else:
+        bottom.text(0.5, 0.5, "no step times were logged", transform=bottom.transAxes, ha="center", va="center")
     if h["predicted_step_s"]:
         ps, pv = zip(*h["predicted_step_s"])
         bottom.plot(ps, pv, color="black", linestyle="--", linewidth=1.5, label="planner's prediction")

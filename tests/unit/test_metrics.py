@@ -162,6 +162,8 @@ def test_unwritable_destinations_are_errors_naming_the_flag_at_construction(tmp_
             Metrics(json_log=ro / "run.jsonl")
         with pytest.raises(ConfigError, match=r"--tensorboard=.*cannot write event files"):
             Metrics(tensorboard=ro / "tb")
+        with pytest.raises(ConfigError, match=r"plot_dir=.*cannot write"):
+            Metrics(plot_dir=ro)
     finally:
         ro.chmod(0o700)
 
@@ -174,16 +176,20 @@ def test_a_path_through_a_file_is_an_error_naming_the_flag(tmp_path):
         Metrics(json_log=blocker / "run.jsonl")
     with pytest.raises(ConfigError, match=r"--tensorboard=.*cannot write event files"):
         Metrics(tensorboard=blocker / "tb")
+    with pytest.raises(ConfigError, match=rf"plot_dir=.*cannot write {PNG_NAME} there"):
+        Metrics(json_log=tmp_path / "run.jsonl", plot_dir=blocker / "plots")
+    assert not (tmp_path / "run.jsonl").exists()       # refused before anything was written
 
 
-def test_an_unwritable_plot_dir_at_close_is_a_warning_and_the_run_keeps_its_log(tmp_path, caplog):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    m = Metrics(json_log=tmp_path / "run.jsonl", plot_dir=blocker / "plots")
+def test_a_plot_dir_gone_at_close_is_a_warning_and_the_run_keeps_its_log(tmp_path, caplog):
+    plots = tmp_path / "plots"
+    m = Metrics(json_log=tmp_path / "run.jsonl", plot_dir=plots)
     m.log(1, {"loss": 1.0, "step_s": 0.1})
+    plots.rmdir()
+    plots.write_text("")                               # the directory became a file during the run
     with caplog.at_level(logging.WARNING, logger="offload.train"):
         m.close()
-    assert any(f"could not write {blocker / 'plots' / PNG_NAME}" in r.getMessage() for r in caplog.records)
+    assert any(f"could not write {plots / PNG_NAME}" in r.getMessage() for r in caplog.records)
     assert json.loads((tmp_path / "run.jsonl").read_text()) == {"step": 1, "loss": 1.0, "step_s": 0.1}
 
 
@@ -196,3 +202,24 @@ def test_values_that_are_not_numbers_are_refused_and_tensors_are_read():
     with pytest.raises(OffloadError, match="'step' is the first argument"):
         m.log(3, {"step": 3})
     m.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_under_way_is_one_warning_and_the_other_destinations_go_on(tmp_path, caplog):
+    m = Metrics(json_log="/dev/full", plot_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="offload.train"):
+        for step in (1, 2, 3):
+            m.log(step, {"loss": 1.0 / step, "step_s": 0.1})
+        m.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "/dev/full" in warnings[0] and "no more of them this run" in warnings[0]
+    assert _is_png(tmp_path / PNG_NAME)
+
+
+def test_nothing_to_draw_is_a_warning_and_no_png(tmp_path, caplog):
+    m = Metrics(plot_dir=tmp_path / "plots")
+    m.log(1, {"lr": 1e-3})
+    with caplog.at_level(logging.WARNING, logger="offload.train"):
+        m.close()
+    assert any("no step logged a loss or a step time" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "plots" / PNG_NAME).exists()

@@ -85,8 +85,8 @@ def test_plan_command_prints_full_and_lora(llama_dir, capsys):
 
 
 def test_plan_command_errors(tmp_path, capsys):
-    assert main(["plan", "--model", "llama-tiny", "--lora-rank", "4", *STATED]) == 1
-    assert "--lora-rank=4: needs --model DIR" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-tiny", "--lora-rank", "4", "--lora-targets", "qkv", *STATED]) == 1
+    assert "lora_targets" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     assert main(["plan", "--model", str(tmp_path), *STATED]) == 1
     err = capsys.readouterr().err
