@@ -7,7 +7,6 @@ same chunks (``shared_budgets`` makes "auto" budgets bytes once, for the same re
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from .config import TrainConfig
@@ -15,21 +14,13 @@ from .inputs import rank_paths
 from .ranks import Ranks
 
 
-def hardware(config: TrainConfig, ranks: Ranks):
-    """(Hardware, sources, notes): the box's figures, measured here, for this rank's NVMe paths.
+def hardware(config: TrainConfig, shape, ranks: Ranks):
+    """(Hardware, sources, notes): the box's figures for this rank's NVMe paths, measured here
+    once and then read from the planner's cache (a second launch measures nothing)."""
+    from ..plan.figures import hardware_for
 
-    The planner's figures are gathered from `offload plan`'s own flags: this function alone
-    speaks that command line."""
-    from ..plan.cli import add_arguments
-    from ..plan.figures import gather_hardware
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    argv = ["--model", config.model.model or config.model.preset_name, "--dtype", config.model.dtype,
-            "--batch-tokens", str(config.data.batch_tokens), "--seq-len", str(config.data.seq_len)]
-    for path in rank_paths(config, ranks):
-        argv += ["--nvme-path", path]
-    return gather_hardware(parser.parse_args(argv))
+    return hardware_for(rank_paths(config, ranks), model=shape, dtype=config.model.dtype,
+                        seq_len=config.data.seq_len, batch_tokens=config.data.batch_tokens)
 
 
 def make_plan(config: TrainConfig, cfg, engine_config, described=None, ranks: Ranks = Ranks()):
@@ -37,7 +28,7 @@ def make_plan(config: TrainConfig, cfg, engine_config, described=None, ranks: Ra
     ``cfg``: the model's shape; ``engine_config``: the OffloadConfig the run will build with."""
     from ..plan import Policy, choose
 
-    hw, sources, notes = hardware(config, ranks)
+    hw, sources, notes = hardware(config, cfg, ranks)
     if ranks.many and hw.gpu_mem is None and sources.get("compute_tflops", "").startswith("measured"):
         # The planner takes the box's figures and gives each rank 1/local_world. A CPU-only rank
         # computes with its own threads (torchrun: OMP_NUM_THREADS=1), as measured here: the box

@@ -45,6 +45,7 @@ class Trainer:
         self.predicted: float | None = None
         self.model = self.optimizer = self.scheduler = self.metrics = None
         self.flops_per_token = 0.0
+        self.optimizer_step_s = 0.0     # the last step's time inside optimizer.step()
         self.done = 0                   # steps taken (the checkpoint a preemption writes is this step's)
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -208,7 +209,9 @@ class Trainer:
             loss = self.compute_loss(part_ids, part_labels) / k
             loss.backward()
             value += loss.item()
+        t0 = time.perf_counter()
         self.optimizer.step()
+        self.optimizer_step_s = time.perf_counter() - t0
         self.optimizer.zero_grad()
         self.scheduler.step()
         # every rank logs (and judges) the same loss: the mean of the ranks' slices of the batch
@@ -237,18 +240,13 @@ class Trainer:
             self.write_output()
 
     def step_metrics(self, loss: float, seconds: float, tok_s: float, tflops: float) -> dict:
-        """The figures of the step just taken (metrics.py's keys)."""
-        stats = self.model.offload_stats()
-        wait, optimizer = stats.get("wait_s") or 0.0, stats.get("optimizer_s")
-        values = {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s, "tflops": tflops,
-                  "step_s": seconds, "predicted_step_s": self.predicted, "wait_s": wait,
-                  "optimizer_s": optimizer,
-                  # what the step spent neither waiting for chunks nor for the optimizer
-                  "compute_s": max(0.0, seconds - wait - (stats.get("optimizer_wait_s") or 0.0)),
-                  "prefetch_hit_rate": stats.get("prefetch_hit_rate"), "peak_rss_bytes": report.peak_rss()}
-        for direction, n in (stats.get("moved_bytes") or {}).items():
-            values[f"moved/{direction}"] = n
-        return values
+        """The figures of the step just taken (metrics.py's keys): the run's, and the engine's
+        (bytes moved per tier and direction, prefetch hits, the step split: ``step_split.py``)."""
+        from .step_split import step_values
+
+        return {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tok_s, "tflops": tflops,
+                "step_s": seconds, "predicted_step_s": self.predicted, "peak_rss_bytes": report.peak_rss(),
+                **step_values(self.model.offload_stats(), step_s=seconds, optimizer_step_s=self.optimizer_step_s)}
 
     def save(self) -> None:
         """A checkpoint of the last step taken (collective under torchrun)."""
