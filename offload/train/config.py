@@ -49,7 +49,7 @@ def option(default, help: str, *, check=text, flag: str | None = None, metavar: 
                  metadata={"help": help, "check": check, "flag": flag, "metavar": metavar})
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """What is trained: a Hugging Face directory or a preset built from scratch, and its adapters."""
     model: str | None = option(None, "a local Hugging Face model directory to fine-tune", metavar="DIR")
@@ -74,7 +74,7 @@ class ModelConfig:
         return self.preset or "tiny"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """What the model reads: the file, its format, and the shape of a step's batch."""
     data: str | None = option(None, "a text, .jsonl or .json file (default: the corpus shipped in scripts/data/)",
@@ -92,7 +92,7 @@ class DataConfig:
         return self.data if self.data is not None else str(SHIPPED_CORPUS)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
     """AdamW and its schedule: linear warm-up, then cosine decay to 10 % of --lr."""
     steps: int = option(50, "optimizer steps", check=positive_int)
@@ -102,7 +102,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = option(None, "clip the global gradient norm", check=positive_float)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     """Where and when checkpoints are written, and whether a run continues from one."""
     checkpoint_dir: str | None = option(None, "where checkpoints go (default: <--output>/checkpoints, else "
@@ -116,7 +116,7 @@ class CheckpointConfig:
                                  "saying so): one requeue command covers the first launch too")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OutputConfig:
     """The trained model written as a Hugging Face directory (LoRA: the adapter, or merged weights)."""
     output: str | None = option(None, "write the fine-tuned model here (HF format; LoRA: the adapter)",
@@ -128,7 +128,7 @@ class OutputConfig:
                                             "source model's; from scratch, --dtype's)", check=choice(DTYPES))
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """How a step is split. The ranks themselves come from torchrun (RANK, WORLD_SIZE, ...)."""
     micro_batches: int | None = option(None, "gradient accumulation: forward/backward passes per step, dividing "
@@ -136,7 +136,7 @@ class ParallelConfig:
                                              "planner's choice, 1 with --no-plan)", check=positive_int)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BudgetConfig:
     """Where the chunks live: the device and CPU budgets, the NVMe directories, the chunk size."""
     nvme_path: list = option([], "directory for the NVMe tier, which must exist (repeat to stripe over drives)",
@@ -151,7 +151,7 @@ class BudgetConfig:
     dry_run: bool = option(False, "print the plan and exit")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
     """Where each step's figures go besides the progress line."""
     json_log: str | None = option(None, "one JSON line per step", metavar="FILE")
@@ -159,7 +159,7 @@ class LoggingConfig:
                                            "step time against the plan)", metavar="DIR")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """A whole run; each section is a field named as its TOML table."""
     model: ModelConfig = field(default_factory=ModelConfig)
