@@ -42,7 +42,10 @@ torch:
 	$(PIP) install -q -c .torch-constraint.txt -e ".[test]"
 	@touch $@
 
+# The NVMe directory is made here: the trainer refuses one that does not exist (a mistyped or
+# unmounted /mnt/nvme0 must not become a directory on the root disk).
 finetune: install
+	mkdir -p $(NVME_DIR)
 	$(PYTHON) scripts/finetune_100b.py --nvme-path $(NVME_DIR) $(FINETUNE_ARGS)
 
 test: install

@@ -178,6 +178,7 @@ def leak_check(work: Path, steps: int, say=print) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     nvme, log = run_dir / "nvme", run_dir / "log.jsonl"
+    nvme.mkdir()                                          # the trainer refuses a missing NVMe directory
     cmd = [sys.executable, str(SCRIPT), *TRAIN_ARGS, "--steps", str(steps), "--nvme-path", str(nvme),
            "--json-log", str(log)]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

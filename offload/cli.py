@@ -1,4 +1,4 @@
-"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``, ``checkpoint verify``.
+"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``, ``finetune``, ``checkpoint verify``.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up and turns user mistakes
@@ -19,6 +19,7 @@ from .errors import OffloadError
 COMMANDS = {
     "doctor": ("offload.doctor", "check this machine: torch, CUDA, SIMD, libaio, O_DIRECT, memory"),
     "plan": ("offload.plan.cli", "predict memory, disk and step time for a model on this box"),
+    "finetune": ("offload.train.cli", "fine-tune a Hugging Face model or train a preset (offloaded)"),
 }
 CHECKPOINT_COMMANDS = {
     "verify": ("offload.checkpoint.verify", "check every checksum of the checkpoints in DIR (exit 1 on corruption)"),

@@ -36,7 +36,9 @@ def env() -> dict:
 
 
 def command(steps: int, nvme: Path, ckpt: Path, log: Path, *, resume: bool, extra: list[str] = ()) -> list[str]:
-    """A ``TRAIN_ARGS`` run of ``steps`` steps with a checkpoint after every step (two kept)."""
+    """A ``TRAIN_ARGS`` run of ``steps`` steps with a checkpoint after every step (two kept);
+    the NVMe directory ``nvme`` is created (the trainer refuses one that does not exist)."""
+    Path(nvme).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(SCRIPT), *TRAIN_ARGS, "--steps", str(steps), "--nvme-path", str(nvme),
            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--keep-checkpoints", "2",
            "--json-log", str(log), *extra]

@@ -68,6 +68,35 @@ def test_sigterm_checkpoints_exits_143_and_resume_is_identical(reference_run, di
     assert losses == ref_losses
 
 
+def test_sigterm_without_a_checkpoint_dir_saves_to_the_default_place_said_at_start(disk_tmp):
+    """No --checkpoint-dir: the start-up log says where a preemption's checkpoint goes
+    (./checkpoints/<run name>), SIGTERM writes it there, and --resume alone finds it."""
+    nvme, log = disk_tmp / "nvme", disk_tmp / "log.jsonl"
+    nvme.mkdir()
+    cmd = [sys.executable, str(runs.SCRIPT), *runs.TRAIN_ARGS, "--steps", "50", "--nvme-path", str(nvme),
+           "--json-log", str(log)]
+    proc = subprocess.Popen(cmd, env=runs.env(), cwd=disk_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for(lambda: len(runs.logged_steps(log)) >= 2, proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-2000:]
+    assert "checkpoints: checkpoints/llama-tiny (on SIGTERM/SIGINT)" in err
+    saved = list_checkpoints(disk_tmp / "checkpoints" / "llama-tiny")
+    done = len(runs.logged_steps(log))
+    assert len(saved) == 1 and saved[0].name == f"step-{done:08d}", (saved, done, err[-2000:])
+    resumed = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(done + 1), *cmd[cmd.index("--steps") + 2:],
+                                                                 "--resume"],
+                             env=runs.env(), cwd=disk_tmp, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from checkpoints/llama-tiny/step-{done:08d} at step {done}" in resumed.stderr
+
+
 USER_LOOP = textwrap.dedent("""
     import sys, time
     import torch, offload

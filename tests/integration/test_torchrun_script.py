@@ -25,7 +25,17 @@ ARGS = ["--preset", "tiny", "--dtype", "fp32", "--batch-tokens", "128", "--seq-l
 STEPS = 10
 
 
+def made(args: list[str]) -> list[str]:
+    """``args`` with each --nvme-path directory created (the trainer refuses a missing one; a
+    ``{rank}`` template's directories are the trainer's to make)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "--nvme-path" and "{" not in value:
+            Path(value).mkdir(parents=True, exist_ok=True)
+    return args
+
+
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    made(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
            str(SCRIPT), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT)
@@ -94,6 +104,7 @@ def test_a_failure_on_one_rank_stops_every_rank(disk_tmp):
 
 
 def single(args: list[str]) -> subprocess.CompletedProcess:
+    made(args)
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env(),
                           timeout=240, cwd=ROOT)
 
@@ -134,7 +145,7 @@ def test_two_ranks_write_the_model_one_process_would(disk_tmp):
     data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     args = ["--model", str(src), "--data", str(data), "--steps", "3", "--batch-tokens", "128", "--seq-len", "32",
             "--dtype", "fp32", "--device-budget", "1M", "--cpu-budget", "1M", "--no-plan", "--lr", "1e-2",
-            "--warmup", "1", "--max-shard-size", "20KB"]
+            "--warmup", "1", "--max-shard-size", "20KB", "--byte-tokens"]
     two = torchrun(args + ["--nvme-path", str(disk_tmp / "nvme2"), "--output", str(disk_tmp / "out2")])
     assert two.returncode == 0, two.stderr[-3000:]
     one = single(args + ["--nvme-path", str(disk_tmp / "nvme1"), "--output", str(disk_tmp / "out1")])

@@ -1,0 +1,130 @@
+"""``CheckpointManager``: where a run's checkpoints go, when they are written, and resuming.
+
+It owns the interval (``--checkpoint-every``), how many are kept (``--keep-checkpoints``), and the
+state a checkpoint carries besides the model and optimizer: the step, the LR scheduler, torch's
+random generators and the data position -- so a resumed run takes exactly the steps the
+interrupted one would have taken.
+
+The directory is ``--checkpoint-dir``, or by default ``<--output>-checkpoints`` (beside the output,
+not inside it: writing the output replaces its directory whole) or ``./checkpoints/<run name>``.
+Without ``--checkpoint-dir`` only a preemption (SIGTERM, SIGINT) or ``--checkpoint-every`` writes
+there, and ``--resume`` looks there: one requeue command covers a job's first launch (no
+checkpoint yet: the run starts fresh, saying so) and every launch after.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from .config import TrainConfig
+
+
+def default_directory(config: TrainConfig) -> str:
+    """Where checkpoints go without --checkpoint-dir."""
+    if config.output.output:
+        return str(Path(config.output.output)) + "-checkpoints"
+    return os.path.join("checkpoints", config.run_name)
+
+
+def rng_state() -> dict:
+    """torch's random generators (CPU, and every GPU's), for a checkpoint."""
+    import torch
+
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """A run's checkpoints. ``say``: one line for the run's log."""
+
+    def __init__(self, config: TrainConfig, say: Callable[[str], None]):
+        c = config.checkpoint
+        self.directory = c.checkpoint_dir or default_directory(config)
+        self.chosen = c.checkpoint_dir is not None      # the user named it: the end of the run saves too
+        self.every = c.checkpoint_every
+        self.keep = c.keep_checkpoints
+        self.resume_asked = c.resume
+        self.steps = config.optimizer.steps
+        self.say = say
+        self.saved_step: int | None = None
+
+    def where(self) -> str:
+        """The start-up log's line about checkpoints."""
+        when = [f"every {self.every} steps"] if self.every else []
+        if self.chosen:
+            when.append("at the end")
+        when.append("on SIGTERM/SIGINT")
+        return f"checkpoints: {self.directory} ({', '.join(when)})"
+
+    def found(self) -> bool:
+        """There is a checkpoint to resume from."""
+        from ..checkpoint import list_checkpoints
+
+        return bool(list_checkpoints(self.directory))
+
+    def resuming(self) -> bool:
+        """--resume and a checkpoint exists (else the run starts fresh)."""
+        return self.resume_asked and self.found()
+
+    def saved_chunk_size(self) -> int | None:
+        """The chunk size the checkpoint a resume loads was written with (None: no resume): the
+        model is built with it, so a checkpoint resumes under other budgets."""
+        if not self.resuming():
+            return None
+        from ..checkpoint import saved_chunk_size
+
+        return saved_chunk_size(self.directory)
+
+    def restore(self, model, optimizer, scheduler, batches) -> int:
+        """Load the latest checkpoint that verifies into the run (--resume); returns the step to
+        go on from (0: fresh, said so when --resume found nothing)."""
+        if not self.resume_asked:
+            return 0
+        if not self.found():
+            self.say(f"finetune: no checkpoint in {self.directory} yet: starting from step 0")
+            return 0
+        from ..checkpoint import resume
+
+        manifest = resume(model, optimizer, self.directory, say=lambda m: self.say(f"finetune: {m}"))
+        extra = manifest["extra"]
+        start = int(extra["step"])
+        scheduler.load_state_dict(extra["scheduler"])
+        if "rng" in extra:                  # dropout and other random layers go on as they would have
+            set_rng_state(extra["rng"])
+        # Older checkpoints have no data position: batch i was the i-th step's.
+        rows, seq = batches.rows, batches.seq_len
+        changed = batches.restore(extra.get("data", {"next_batch": start, "rows": rows, "seq_len": seq,
+                                                     "path": None, "bytes": None}))
+        if changed and "data" in extra:
+            self.say(f"finetune: note: {changed}")
+        self.say(f"finetune: resumed from {manifest['path']} at step {start}")
+        self.saved_step = start
+        return start
+
+    def due(self, done: int) -> bool:
+        """A scheduled checkpoint after step ``done``."""
+        return (self.every and done % self.every == 0) or (self.chosen and done == self.steps)
+
+    def save(self, model, optimizer, scheduler, batches, done: int) -> Path | None:
+        """Write the checkpoint of step ``done`` (collective under torchrun: every rank writes its
+        chunks); nothing when that step is already saved (a preemption right after a save)."""
+        if self.saved_step == done:
+            return None
+        from ..checkpoint import save_checkpoint
+
+        path = save_checkpoint(model, optimizer, self.directory, step=done,
+                               extra={"step": done, "scheduler": scheduler.state_dict(),
+                                      "data": batches.state(), "rng": rng_state()},
+                               keep=self.keep)
+        self.saved_step = done
+        return path
