@@ -37,6 +37,10 @@ through; torch's ``SummaryWriter`` checks nothing), so ``->`` becomes ``_to_`` a
 The JSON lines keep every key as given (``{"step": N, **values}``, appended and flushed each step:
 ``scripts/finetune_100b.py``'s ``loss, tokens_per_s, tflops, step_s, peak_rss_bytes`` among them).
 
+Beside the PNG, ``training-history.jsonl`` keeps what it draws, step by step: a run resumed from a
+checkpoint (``resumed_at``) draws the steps before it too, and those a preempted launch took past it
+are dropped, as they are in TensorBoard (``purge_step``).
+
 The metrics are a record of the run, never a reason to lose it: a missing ``tensorboard`` package
 or an unwritable destination (the PNG's directory included) is an error at construction, before
 any training; a missing matplotlib a one-line warning (the run goes on without the PNG); a write
@@ -59,6 +63,7 @@ from offload.errors import ConfigError, OffloadError, UnsupportedError
 logger = logging.getLogger("offload.train")
 
 PNG_NAME = "training.png"
+HISTORY_NAME = "training-history.jsonl"     # beside the PNG: what it draws, so a resumed run draws it all
 TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",
@@ -100,8 +105,13 @@ class Metrics:
     ``training.png``. Each may be ``None``."""
 
     def __init__(self, *, json_log: str | os.PathLike | None = None, tensorboard: str | os.PathLike | None = None,
-                 plot_dir: str | os.PathLike | None = None):
+                 plot_dir: str | os.PathLike | None = None, resumed_at: int = 0):
+        """``resumed_at``: the step a resumed run starts after (its checkpoint's). The PNG then draws
+        the earlier steps too, from ``training-history.jsonl`` in ``plot_dir``, and TensorBoard drops
+        the events a preempted run logged past that step (they are redone)."""
         self._closed = False
+        self._resumed_at = resumed_at
+        self._history_file = None
         self._history: dict[str, list[tuple[int, float]]] | None = None
         self._json = self._tensorboard = None
         self._json_path = json_log
@@ -109,11 +119,11 @@ class Metrics:
         self._plot_dir = Path(plot_dir) if plot_dir is not None else None
         # The writer that can fail for want of a package comes first: nothing is created before it.
         if tensorboard is not None:
-            self._tensorboard = _open_tensorboard(tensorboard)
+            self._tensorboard = _open_tensorboard(tensorboard, resumed_at)
         if self._plot_dir is not None:
             if _has_matplotlib():
                 self._check_plot_dir()
-                self._history = {k: [] for k in PLOTTED}
+                self._history = self._earlier_history()
             else:
                 logger.warning("no %s: matplotlib is not installed (pip install 'offload[plot]'); the run goes on "
                                "without it", self._plot_dir / PNG_NAME)
@@ -150,9 +160,16 @@ class Metrics:
                 self._tensorboard = self._give_up(self._tensorboard, f"TensorBoard events in "
                                                   f"{self._tensorboard_dir}", e)
         if self._history is not None:
-            for key in PLOTTED:
-                if values.get(key) is not None:
-                    self._history[key].append((step, float(values[key])))
+            kept = {key: float(values[key]) for key in PLOTTED if values.get(key) is not None}
+            for key, v in kept.items():
+                self._history[key].append((step, v))
+            if self._history_file is not None:
+                try:
+                    self._history_file.write(json.dumps({"step": step, **kept}) + "\n")
+                    self._history_file.flush()
+                except OSError as e:
+                    self._history_file = self._give_up(self._history_file, f"the plot's history "
+                                                       f"{self._plot_dir / HISTORY_NAME}", e)
 
     def close(self) -> None:
         """Flush and close every destination and write the PNG; safe to call again (then it does
@@ -167,6 +184,12 @@ class Metrics:
                 logger.warning("the JSON log %s: could not flush it: %s", self._json_path, e)
             self._json = None
         self._close_tensorboard()
+        if self._history_file is not None:
+            try:
+                self._history_file.close()
+            except OSError:
+                pass        # the PNG below still draws what is in memory
+            self._history_file = None
         if self._history is not None:
             try:
                 self._write_png()
@@ -196,6 +219,34 @@ class Metrics:
             raise ConfigError("plot_dir", str(self._plot_dir),
                               f"cannot write {PNG_NAME} there: {e.strerror or e}") from None
 
+    def _earlier_history(self) -> dict[str, list[tuple[int, float]]]:
+        """The plotted values of steps up to ``resumed_at`` that an earlier launch kept in the history
+        file (none for a fresh run); the file is rewritten to hold just those, then appended to."""
+        history: dict[str, list[tuple[int, float]]] = {k: [] for k in PLOTTED}
+        path = self._plot_dir / HISTORY_NAME
+        rows = []
+        if self._resumed_at > 0 and path.is_file():
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                try:
+                    row = json.loads(line)
+                    step = int(row["step"])
+                except (ValueError, KeyError, TypeError):
+                    logger.warning("%s:%d: not a history line; the plot leaves it out", path, n)
+                    continue
+                if step <= self._resumed_at:
+                    rows.append(row)
+                    for key in PLOTTED:
+                        if isinstance(row.get(key), (int, float)):
+                            history[key].append((step, float(row[key])))
+        try:
+            self._history_file = open(path, "w")
+            self._history_file.writelines(json.dumps(row) + "\n" for row in rows)
+            self._history_file.flush()
+        except OSError as e:
+            logger.warning("%s: %s; the plot draws this launch's steps only", path, e.strerror or e)
+            self._history_file = None
+        return history
+
     @staticmethod
     def _give_up(sink, what: str, e: Exception):
         logger.warning("%s: %s: %s; no more of them this run", what, type(e).__name__, e)
@@ -220,14 +271,15 @@ class Metrics:
             tmp.unlink(missing_ok=True)
 
 
-def _open_tensorboard(directory: str):
+def _open_tensorboard(directory: str, resumed_at: int = 0):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UnsupportedError("--tensorboard needs the tensorboard package, which is not installed: "
                                "pip install 'offload[tensorboard]' (or pip install tensorboard)") from None
     try:
-        return SummaryWriter(log_dir=str(directory))
+        # purge_step: TensorBoard hides what a preempted run logged after the step resumed from
+        return SummaryWriter(log_dir=str(directory), purge_step=resumed_at + 1 if resumed_at else None)
     except OSError as e:
         raise ConfigError("--tensorboard", directory, f"cannot write event files there: {e.strerror or e}") from None
 

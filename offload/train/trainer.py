@@ -192,7 +192,7 @@ class Trainer:
         if not self.ranks.lead:
             return Metrics()
         plots = self.checkpoints.directory if self.checkpoints.chosen else None
-        return Metrics(json_log=lg.json_log, tensorboard=lg.tensorboard, plot_dir=plots)
+        return Metrics(json_log=lg.json_log, tensorboard=lg.tensorboard, plot_dir=plots, resumed_at=self.done)
 
     # ---- a step ----------------------------------------------------------------------------------
     def compute_loss(self, input_ids, labels):

@@ -7,11 +7,12 @@ import builtins
 import json
 import logging
 import os
+import shutil
 
 import pytest
 
 from offload.errors import ConfigError, OffloadError, UnsupportedError
-from offload.train.metrics import PNG_NAME, Metrics, tensorboard_tag, time_split
+from offload.train.metrics import HISTORY_NAME, PNG_NAME, Metrics, tensorboard_tag, time_split
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -94,7 +95,8 @@ def test_close_writes_a_valid_png_next_to_the_checkpoints_and_is_idempotent(tmp_
     first = png.stat().st_mtime_ns
     m.close()                                          # again: nothing happens
     assert png.stat().st_mtime_ns == first
-    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name != PNG_NAME]   # no temporary left
+    # no temporary left: the PNG and what it draws (for a resumed run to continue)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted([PNG_NAME, HISTORY_NAME])
     with pytest.raises(OffloadError, match="after close"):
         m.log(6, {"loss": 1.0})
 
@@ -185,7 +187,7 @@ def test_a_plot_dir_gone_at_close_is_a_warning_and_the_run_keeps_its_log(tmp_pat
     plots = tmp_path / "plots"
     m = Metrics(json_log=tmp_path / "run.jsonl", plot_dir=plots)
     m.log(1, {"loss": 1.0, "step_s": 0.1})
-    plots.rmdir()
+    shutil.rmtree(plots)
     plots.write_text("")                               # the directory became a file during the run
     with caplog.at_level(logging.WARNING, logger="offload.train"):
         m.close()
@@ -223,3 +225,23 @@ def test_nothing_to_draw_is_a_warning_and_no_png(tmp_path, caplog):
         m.close()
     assert any("no step logged a loss or a step time" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "plots" / PNG_NAME).exists()
+
+
+def test_a_resumed_run_draws_the_steps_before_its_checkpoint_and_drops_those_redone(tmp_path):
+    """Launch 1 logs steps 1-3 and is preempted; its checkpoint is step 2. Launch 2 resumes after
+    step 2 and logs 3-4: the plot's history is steps 1, 2 (launch 1) and 3, 4 (launch 2)."""
+    first = Metrics(plot_dir=tmp_path)
+    for step in (1, 2, 3):
+        first.log(step, {"loss": 10.0 + step, "step_s": 1.0})
+    first.close()
+    second = Metrics(plot_dir=tmp_path, resumed_at=2)
+    for step in (3, 4):
+        second.log(step, {"loss": 20.0 + step, "step_s": 1.0})
+    second.close()
+    rows = [json.loads(line) for line in (tmp_path / HISTORY_NAME).read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
+    assert _is_png(tmp_path / PNG_NAME)
+    fresh = Metrics(plot_dir=tmp_path)      # a run from scratch starts its own history
+    fresh.log(1, {"loss": 1.0})
+    fresh.close()
+    assert len((tmp_path / HISTORY_NAME).read_text().splitlines()) == 1
