@@ -203,8 +203,8 @@ class ModuleHooks:
             raise UnsupportedError(
                 "the offloaded model runs inside torch's DistributedDataParallel: offload.wrap already "
                 "shards it across the process group's ranks and averages its gradients; train the "
-                "wrapped model itself (not a DDP/accelerate-prepared copy: under torchrun, HF Trainer "
-                "and accelerate.prepare wrap models in DDP, which offload does not support)")
+                "wrapped model itself (HF Trainer and accelerate.prepare leave a model wrapped under "
+                "N ranks as it is: wrap it after the process group exists, and add no DDP yourself)")
 
     def _release_after_own_backward(self, module: nn.Module, args):
         """A module with no trainable parameter (a LoRA base layer) gets no gradient that would
