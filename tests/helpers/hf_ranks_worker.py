@@ -4,7 +4,8 @@ those loops on N ranks (tests/integration/test_hf_loops_ranks.py).
 ``main(spec)`` (the target of ``tests.helpers.ranks.launch``, or called in-process for the
 single-process runs): spec {"loop": "trainer" | "accelerate", "steps", "global_batch",
 "offload": OffloadConfig fields or None (plain PyTorch with ``torch.optim.AdamW``), "float64",
-"clip", "out"}. Every run sees the same ``global_batch`` rows a step, in order: one process all of
+"clip", "out", "export": a directory to ``export_pretrained`` the trained model to, on every
+rank}. Every run sees the same ``global_batch`` rows a step, in order: one process all of
 them, each of N ranks its 1/N slice (the loops' own data sharding). Returns this rank's per-step
 losses (of its slice), the clip's gradient norms, the final state dict (every rank: the
 collective ``state_dict``), how many chunks the rank keeps and the bytes its NVMe tier holds.
@@ -55,6 +56,10 @@ def main(spec: dict) -> dict:
     loop = train_with_trainer if spec["loop"] == "trainer" else train_with_accelerate
     losses, norms = loop(model, opt, data, batch, spec)
     engine = getattr(model, "offload_engine", None)
+    if spec.get("export") and engine is not None:     # the README's way to save under N ranks
+        from offload.hf import export_pretrained
+
+        export_pretrained(model, spec["export"])
     result = {"losses": losses, "norms": norms, "world": world,
               "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     if engine is not None:

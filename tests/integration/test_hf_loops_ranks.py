@@ -4,12 +4,14 @@ would wrap the model in DDP, which the engine refuses; a model wrapped under N r
 already data parallel (``offload.hf.accelerate_ranks``), so they leave it as it is and only shard
 the data. fp32, NVMe forced (budgets far below each rank's state), clipping active; the ranks'
 mean losses, the clip's norms and every rank's final weights are as close to the same loop's
-float64 run in one process as plain PyTorch's fp32 run is (tests/helpers/trajectory.py)."""
+float64 run in one process as plain PyTorch's fp32 run is (tests/helpers/trajectory.py); the
+model exported on every rank after the loop holds those weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers.hf_ranks_worker import main
 from tests.helpers.ranks import launch
@@ -35,7 +37,9 @@ def config(tmp) -> dict:
 def test_two_ranks_train_like_one_process(disk_tmp, loop):
     spec = dict(loop=loop, steps=STEPS, global_batch=GLOBAL_BATCH, clip=CLIP, out=str(disk_tmp / "out"))
     ref, exact = main({**spec, "offload": None}), main({**spec, "offload": None, "float64": True})
-    results = launch(WORKER, {**spec, "offload": config(disk_tmp)}, 2, disk_tmp, timeout_s=300)
+    export = disk_tmp / "export"
+    results = launch(WORKER, {**spec, "offload": config(disk_tmp), "export": str(export)}, 2, disk_tmp,
+                     timeout_s=300)
     for r in results:
         if r.returncode != 0:
             pytest.fail(f"rank {r.rank} exited with {r.returncode}:\n{r.output[-3000:]}")
@@ -46,6 +50,12 @@ def test_two_ranks_train_like_one_process(disk_tmp, loop):
         assert_within_drift(o["state"], ref["state"], exact["state"])
         assert o["kept"] >= 1 and o["nvme_bytes"] > 0, o["nvme_bytes"]
     assert sum(o["kept"] for o in out) == out[0]["chunks"]
+    # Saved the way the README says under N ranks (every rank exports; rank 0 writes): the weights
+    # the ranks trained, each from its owner.
+    saved = {}
+    for f in export.glob("*.safetensors"):
+        saved.update(load_file(f))
+    assert saved and all(torch.equal(v, out[0]["state"][k]) for k, v in saved.items()), sorted(saved)
     if loop == "accelerate":            # the clip saw the global norm, on every rank
         assert max(ref["norms"]) > CLIP
         for o in out:
