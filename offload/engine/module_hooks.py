@@ -259,6 +259,15 @@ class ModuleHooks:
                 "a new forward started after backward already applied an optimizer update that "
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
+        if self.progress.reduced and torch.is_grad_enabled():
+            # Under N ranks the window's last backward (by the config's count) sent every gradient
+            # to its owner: another micro-batch's gradients would be summed with the wrong ones.
+            raise OffloadError(
+                "a new forward started after the accumulation window's last micro-batch (by "
+                "OffloadConfig.gradient_accumulation_steps) was reduced across the ranks, before "
+                "optimizer.step(): call optimizer.step() after it, or set "
+                "OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches "
+                "(under HF Trainer or accelerate, their gradient_accumulation_steps)")
         if self.streams is not None:
             self.streams.capture()     # this forward's stream is the compute stream
         self.pins.begin_iteration()

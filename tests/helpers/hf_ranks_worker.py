@@ -4,11 +4,12 @@ those loops on N ranks (tests/integration/test_hf_loops_ranks.py).
 ``main(spec)`` (the target of ``tests.helpers.ranks.launch``, or called in-process for the
 single-process runs): spec {"loop": "trainer" | "accelerate", "steps", "global_batch",
 "offload": OffloadConfig fields or None (plain PyTorch with ``torch.optim.AdamW``), "float64",
-"clip", "out", "export": a directory to ``export_pretrained`` the trained model to, on every
-rank}. Every run sees the same ``global_batch`` rows a step, in order: one process all of
-them, each of N ranks its 1/N slice (the loops' own data sharding). Returns this rank's per-step
-losses (of its slice), the clip's gradient norms, the final state dict (every rank: the
-collective ``state_dict``), how many chunks the rank keeps and the bytes its NVMe tier holds.
+"clip", "accumulate" (Trainer's micro-batches a step), "out", "export": a directory to
+``export_pretrained`` the trained model to, on every rank}. Every run sees the same
+``global_batch`` rows a micro-batch, in order: one process all of them, each of N ranks its 1/N
+slice (the loops' own data sharding). Returns this rank's per-micro-batch losses (of its
+slice), the clip's gradient norms, the final state dict (every rank: the collective
+``state_dict``), how many chunks the rank keeps and the bytes its NVMe tier holds.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(spec: dict) -> dict:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     batch = spec["global_batch"] // world
-    data = Tokens(spec["global_batch"] * spec["steps"])
+    data = Tokens(spec["global_batch"] * spec.get("accumulate", 1) * spec["steps"])
     loop = train_with_trainer if spec["loop"] == "trainer" else train_with_accelerate
     losses, norms = loop(model, opt, data, batch, spec)
     engine = getattr(model, "offload_engine", None)
@@ -85,7 +86,8 @@ def train_with_trainer(model, opt, data, batch, spec) -> tuple[list[float], list
     args = transformers.TrainingArguments(
         output_dir=spec["out"], per_device_train_batch_size=batch, max_steps=spec["steps"], learning_rate=LR,
         max_grad_norm=spec.get("clip") or 0.0, use_cpu=True, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0, train_sampling_strategy="sequential")
+        logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        train_sampling_strategy="sequential", gradient_accumulation_steps=spec.get("accumulate", 1))
     trainer = RecordingTrainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
     trainer.train()
     if trainer.model_wrapped is not model:

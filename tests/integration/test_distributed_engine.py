@@ -101,6 +101,18 @@ def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
     want.check(out, 0)
 
 
+def test_accumulating_more_micro_batches_than_configured_is_refused_not_summed_wrongly(tmp_path):
+    """Two micro-batches a step under gradient_accumulation_steps=1 (what an HF Trainer with
+    accumulation did): the first backward reduces every gradient to its owner, so the second
+    would add to the wrong sums. With clipping the update waits for step(), so nothing else stops
+    it: the second forward is refused on every rank, naming the setting (issue 26, point 11)."""
+    results = launch(WORKER, {"steps": 2, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "accumulate": 2, "clip": 1.0}, 2, tmp_path, timeout_s=120)
+    for r in results:
+        line = next(l for l in r.output.splitlines() if l.startswith("RANK-ERROR"))
+        assert "OffloadError" in line and "gradient_accumulation_steps=N" in line, line
+
+
 def test_global_norm_clipping_agrees_across_ranks(tmp_path):
     want = Reference(8, clip=0.5)
     out = run(tmp_path, 2, 8, clip=0.5)
