@@ -259,9 +259,10 @@ class ModuleHooks:
                 "a new forward started after backward already applied an optimizer update that "
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
-        if self.progress.reduced and torch.is_grad_enabled():
+        if self.progress.reduced and self.progress.micro_batches and torch.is_grad_enabled():
             # Under N ranks the window's last backward (by the config's count) sent every gradient
             # to its owner: another micro-batch's gradients would be summed with the wrong ones.
+            # (step() sets micro_batches back to 0, also when an fp16 overflow skipped it.)
             raise OffloadError(
                 "a new forward started after the accumulation window's last micro-batch (by "
                 "OffloadConfig.gradient_accumulation_steps) was reduced across the ranks, before "
