@@ -16,6 +16,7 @@ from .config import OffloadConfig
 from .engine import OffloadEngine
 from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
+from .hf.accelerate_ranks import mark_data_parallel
 from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, scalar_dtype
 
@@ -27,7 +28,9 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
 
     Returns the same module object. Its parameters keep their identity; their values now live in
     the engine (``model.state_dict()`` gathers them). ``model.offload_stats()`` reports the last
-    step; ``model.offload_engine`` is the engine itself.
+    step; ``model.offload_engine`` is the engine itself. Under N ranks the model is marked as
+    already data parallel, so HF Trainer and ``accelerate.prepare`` add no DDP
+    (``offload.hf.accelerate_ranks``).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "expected a torch.nn.Module")
@@ -79,6 +82,8 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     model.load_state_dict = load_state_dict
     model.offload_engine = engine
     model.offload_stats = engine.stats
+    # Under N ranks the engine averages gradients itself: accelerate and Trainer must not add DDP.
+    mark_data_parallel(model, chunks.sharding.world if chunks.sharding is not None else 1)
     return model
 
 

@@ -7,7 +7,8 @@ parameters or optimizer worker. It answers four questions:
 * **Which chunks are there?** ``chunks()`` lists every chunk with its metadata (``ChunkInfo``:
   size, the kinds of state it has and their dtypes, its parameters, which rank keeps it);
   ``layout`` is the immutable geometry (bulk chunk size, every parameter's ``ParamSlot``);
-  ``param(p)`` places one parameter. None of this depends on the world size.
+  ``param(p)`` places one parameter. None of this depends on the world size, but for a model
+  that an "auto" size would pack into fewer chunks than ranks (``layout.search_chunk_size``).
 * **What values does a chunk hold?** ``read(kind, c)`` copies chunk ``c``'s ``kind`` state from
   whichever tier holds it (device, pinned CPU or NVMe) into a CPU buffer; ``write(kind, c, values)``
   replaces it. ``gather`` / ``scatter`` do the same per parameter, reading each chunk once.

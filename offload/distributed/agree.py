@@ -2,9 +2,10 @@
 
 The layout decides which chunk a collective moves, so two ranks with different layouts would
 exchange the wrong bytes in silence. "auto" budgets are measured per rank (free memory differs
-by a few pages between processes) and the "auto" chunk size follows them: every rank takes the
-smallest budgets any rank measured, and ``check_same_layout`` compares a digest of the layout
-(names, shapes, chunk sizes, dtype) across ranks and names what differs.
+by a few pages between processes) and the "auto" chunk size follows them (and the world size,
+which every rank knows alike): every rank takes the smallest budgets any rank measured, and
+``check_same_layout`` compares a digest of the layout (names, shapes, chunk sizes, dtype)
+across ranks and names what differs.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ per chunk; see ``comms`` for why not one all-gather / reduce-scatter). The owner
 parameters, fp32 master, Adam moments and NVMe slots; the other ranks hold its parameters only
 while a gathered group is in use, and its gradients only until they are reduced.
 
-The chunk layout does not depend on the world size (it is built from the model and the budgets
-only), so a checkpoint saved by N ranks is resharded for M ranks by chunk index alone.
+A checkpoint saved by N ranks is resharded for M ranks by chunk index alone, since an explicit
+``chunk_size`` gives the same layout at any world size, and so does an "auto" one unless one
+process's layout has fewer than N chunks: a small model is then cut into at least N
+(``chunks.layout.search_chunk_size``), else some rank would keep nothing.
 """
 
 from __future__ import annotations

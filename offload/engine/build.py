@@ -78,10 +78,13 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
                  cpu_budget: int, sharding) -> ChunkLayout:
     """The chunk layout (the same on every rank, checked), refused when the budgets cannot hold
     the minimum working set of one step (``min_device_bytes`` and ``min_cpu_bytes``: the planner
-    refuses by the same rules)."""
+    refuses by the same rules). Under N ranks an "auto" size gives at least N chunks where the
+    model allows, so that every rank keeps and updates some; every rank computes it from the
+    same inputs (the model, the agreed budgets, N)."""
     layout = ChunkLayout.build([(n, shapes.get(id(p), p.shape)) for n, p in named], config.chunk_size,
                                max_chunk=auto_max_chunk(device_budget, cpu_budget),
-                               frozen={n for n, p in named if not p.requires_grad})
+                               frozen={n for n, p in named if not p.requires_grad},
+                               min_chunks=sharding.world if sharding is not None else 1)
     if sharding is not None:
         check_same_layout(layout, dtype)
     n, e = layout.chunk_size, dtype.itemsize

@@ -203,8 +203,8 @@ class ModuleHooks:
             raise UnsupportedError(
                 "the offloaded model runs inside torch's DistributedDataParallel: offload.wrap already "
                 "shards it across the process group's ranks and averages its gradients; train the "
-                "wrapped model itself (not a DDP/accelerate-prepared copy: under torchrun, HF Trainer "
-                "and accelerate.prepare wrap models in DDP, which offload does not support)")
+                "wrapped model itself (HF Trainer and accelerate.prepare leave a model wrapped under "
+                "N ranks as it is: wrap it after the process group exists, and add no DDP yourself)")
 
     def _release_after_own_backward(self, module: nn.Module, args):
         """A module with no trainable parameter (a LoRA base layer) gets no gradient that would
@@ -259,6 +259,16 @@ class ModuleHooks:
                 "a new forward started after backward already applied an optimizer update that "
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
+        if self.progress.reduced and self.progress.micro_batches and torch.is_grad_enabled():
+            # Under N ranks the window's last backward (by the config's count) sent every gradient
+            # to its owner: another micro-batch's gradients would be summed with the wrong ones.
+            # (step() sets micro_batches back to 0, also when an fp16 overflow skipped it.)
+            raise OffloadError(
+                "a new forward started after the accumulation window's last micro-batch (by "
+                "OffloadConfig.gradient_accumulation_steps) was reduced across the ranks, before "
+                "optimizer.step(): call optimizer.step() after it, or set "
+                "OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches "
+                "(under HF Trainer or accelerate, their gradient_accumulation_steps)")
         if self.streams is not None:
             self.streams.capture()     # this forward's stream is the compute stream
         self.pins.begin_iteration()

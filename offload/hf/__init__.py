@@ -10,6 +10,8 @@ from-scratch ``offload.models.llama`` model as a transformers Llama). Chunk I/O 
 (``engine.chunks``): ``safetensors_export`` (``offload.export_safetensors``, streamed shards),
 ``chunk_source`` (an export's chunks from their owner ranks), ``safetensors_load``
 (``offload.load_safetensors``), ``chunk_fill`` (a chunk's values assembled from tensors).
+``accelerate_ranks``: HF Trainer and accelerate on N ranks (a model ``offload.wrap`` shards needs
+no DDP, and they are told so).
 """
 
 from .export import export_pretrained

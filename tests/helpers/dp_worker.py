@@ -4,8 +4,9 @@
 spec: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
 "out": path prefix, "seed", "checkpointing", "backend", "set_device"}. Each rank trains TinyGPT
 on its 1/N slice of the same global batches the single-process reference sees and writes
-``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the warnings
-wrap gave, and (every rank, through the collective state_dict) the final fp32 parameters.
+``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the chunks
+of the layout and how many this rank keeps, the warnings wrap gave, and (every rank, through
+the collective state_dict) the final fp32 parameters.
 ``fail_at``: [rank, step] — that rank raises inside backward then. ``backend``: "gloo" (default)
 or "nccl" (a GPU per rank; ``set_device``: the worker makes cuda:LOCAL_RANK current itself, as
 torchrun scripts should, else the engine has to).
@@ -117,6 +118,7 @@ def main(spec: dict) -> None:
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
                 "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else [],
                 "device": str(engine.device),
+                "chunks": engine.chunks.layout.num_chunks, "kept": len(engine.chunks.chunks(kept_only=True)),
                 "current_device": torch.cuda.current_device() if engine.device.type == "cuda" else None,
                 "warnings": [str(w.message) for w in caught]},
                f"{spec['out']}.rank{rank}.pt")

@@ -81,6 +81,16 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(tmp_path):
     assert all(0.4 * single < r < 0.6 * single for r in reserved), (reserved, single)
 
 
+def test_auto_chunk_size_under_default_budgets_gives_each_rank_chunks_and_trains_like_one_process(tmp_path):
+    """One process packs TinyGPT into one chunk under the default budgets; under two ranks the
+    "auto" size cuts it into at least two, so rank 1 keeps and updates some too (issue 26)."""
+    want = Reference(6)
+    out = run(tmp_path, 2, 6, config=dict(device="cpu", dtype="fp32"))
+    want.check(out, 1)
+    assert out[0]["chunks"] == out[1]["chunks"] >= 2
+    assert all(o["kept"] >= 1 for o in out) and sum(o["kept"] for o in out) == out[0]["chunks"]
+
+
 def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
     """Three tiers (a CPU region standing in for the GPU, CPU, NVMe): borrowed chunks land in
     the device tier; accumulated fp32 gradients of every chunk stay each rank's own until the
@@ -89,6 +99,18 @@ def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
     out = run(tmp_path, 2, 6, accumulate=3,
               config=config(tmp_path, gradient_accumulation_steps=3, merge_host_tiers=False))
     want.check(out, 0)
+
+
+def test_accumulating_more_micro_batches_than_configured_is_refused_not_summed_wrongly(tmp_path):
+    """Two micro-batches a step under gradient_accumulation_steps=1 (what an HF Trainer with
+    accumulation did): the first backward reduces every gradient to its owner, so the second
+    would add to the wrong sums. With clipping the update waits for step(), so nothing else stops
+    it: the second forward is refused on every rank, naming the setting (issue 26, point 11)."""
+    results = launch(WORKER, {"steps": 2, "out": str(tmp_path / "r"), "config": config(tmp_path),
+                              "accumulate": 2, "clip": 1.0}, 2, tmp_path, timeout_s=120)
+    for r in results:
+        line = next(l for l in r.output.splitlines() if l.startswith("RANK-ERROR"))
+        assert "OffloadError" in line and "gradient_accumulation_steps=N" in line, line
 
 
 def test_global_norm_clipping_agrees_across_ranks(tmp_path):
