@@ -67,9 +67,8 @@ def dp_chunk_size(numels: list[int], world: int) -> int:
     """Elements per chunk for the data-parallel run: the least wasteful size (the engine's own
     search) no larger than 1/(GROUPS_PER_RANK * N) of the model, unless one parameter is larger.
 
-    "auto" sizes chunks by the budgets alone, and with budgets above a small model's state that
-    is one chunk: one rank would own it all and the others only receive broadcasts. The same
-    size serves the N=1 run, so both train the same layout."""
+    "auto" sizes chunks by the budgets, giving N ranks only N chunks at least: one group a rank,
+    nothing to overlap. The same size serves the N=1 run, so both train the same layout."""
     from ..chunks import search_chunk_size
 
     cap = max(max(numels), sum(numels) // (GROUPS_PER_RANK * world))

@@ -1,5 +1,7 @@
 """Whether a checkpoint fits a model: the same parameters at the same chunk offsets, the same
-dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it.
+dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it (but
+for one case: an "auto" size under N ranks splits a model one process packs into fewer than N
+chunks; the chunk_size refusal then says to build with the checkpoint's, ``saved_chunk_size``).
 
 A checkpoint written by N ranks is read by M: rank r of M reads the chunks it keeps
 (``Ranks.keeps``) from whichever rank's files hold them, so each rank checks the entries and

@@ -66,14 +66,16 @@ def param_numels(cfg: LlamaConfig) -> list[int]:
 
 def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_size: int | None = None,
                 lora_rank: int | None = None, lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
-                layout: tuple[list[int], list[bool]] | None = None) -> tuple[int, list[int], list[bool]]:
+                layout: tuple[list[int], list[bool]] | None = None,
+                world: int = 1) -> tuple[int, list[int], list[bool]]:
     """``(chunk_size, [elements of each chunk], [whether it is trainable])`` the engine would lay out
     (``OffloadEngine.__init__``): bulk chunks of ``chunk_size``, one chunk of its own size per larger
-    parameter, frozen and trainable parameters in separate chunks."""
+    parameter, frozen and trainable parameters in separate chunks; under ``world`` ranks an "auto"
+    size gives each at least one chunk where it can, as the engine's does."""
     numels, trainable = layout or param_layout(cfg, lora_rank, lora_targets)
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
-                                       trainable=trainable)
+                                       trainable=trainable, min_chunks=world)
     packing = pack(numels, chunk_size, PARAM_ALIGN, trainable)
     return chunk_size, packing.sizes, packing.trainable
 
@@ -118,7 +120,8 @@ def rank_chunks(cfg: LlamaConfig, layout: tuple[list[int], list[bool]], device_b
                 chunk_size: int | None, world: int) -> RankChunks:
     """The chunks of ``layout`` (``param_layout``'s pair) and those of the rank that owns the most
     elements (the one to plan for) among ``world`` ranks."""
-    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size, layout=layout)
+    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size, layout=layout,
+                                                world=world)
     owner = max(range(world), key=lambda r: sum(sizes[r::world]))
     own_sizes, own_trainable = sizes[owner::world], chunk_trainable[owner::world]
     return RankChunks(

@@ -68,3 +68,19 @@ def test_a_layout_with_a_chunk_per_rank_already_is_the_one_process_layout(world,
     layout = ChunkLayout.build([(f"p{i}", (n,)) for i, n in enumerate(numels)], one)
     if layout.num_chunks >= world:
         assert search_chunk_size(numels, max_chunk=cap, min_chunks=world) == one
+
+
+def test_the_planner_lays_out_what_the_engine_does_under_n_ranks():
+    """The planner plans the engine's layout: a model one process packs into one chunk is split
+    for N ranks there too, so it plans a rank's share rather than rank 0 holding everything."""
+    from offload.models.llama import get_preset
+    from offload.plan.model import param_layout, rank_chunks
+
+    cfg = get_preset("tiny")
+    layout = param_layout(cfg, None, ("q_proj", "v_proj"))
+    budget = 1 << 40        # budgets far above the model: "auto" alone packs it into one chunk
+    assert len(rank_chunks(cfg, layout, budget, budget, None, 1).sizes) == 1
+    for world in (2, 4):
+        ranks = rank_chunks(cfg, layout, budget, budget, None, world)
+        assert len(ranks.sizes) >= world and ranks.owned >= 1
+        assert ranks.elems < ranks.all_elems, "one rank still plans for the whole model"
