@@ -49,6 +49,7 @@ class Dataset:
     stream: torch.Tensor | None = None            # 1-D int64 tokens
     examples: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     pad_id: int = 0
+    skipped: int = 0                              # examples with no loss token within seq_len
 
     @property
     def size(self) -> int:
@@ -128,11 +129,16 @@ class Tokens:
         return list(out["input_ids"])
 
 
-def load_data(path: str | os.PathLike, tokenizer=None, data_format: str = "auto") -> Dataset:
+def load_data(path: str | os.PathLike, tokenizer=None, data_format: str = "auto",
+              seq_len: int | None = None) -> Dataset:
     """Read and tokenize ``path`` (see the module docstring).
 
     ``tokenizer``: a Hugging Face tokenizer (``load_tokenizer``), or None for bytes.
-    ``data_format``: "auto" (from the suffix and the content), "text", "jsonl" or "json"."""
+    ``data_format``: "auto" (from the suffix and the content), "text", "jsonl" or "json".
+    ``seq_len``: the length examples are cut to; an example with no loss token left after the
+    cut (the model predicts positions 1..seq_len-1) is skipped and counted in ``skipped``: a
+    batch of such rows has no target and its loss is nan. None of them left is an error naming
+    ``--seq-len``."""
     tokens = Tokens(tokenizer)
     data = read_data_file(path, data_format)
     if data.text is not None:
@@ -154,7 +160,13 @@ def load_data(path: str | os.PathLike, tokenizer=None, data_format: str = "auto"
             examples.append(pair)
     if not examples:
         raise ConfigError("--data", str(path), f"has no usable record ({data.kind} records with no tokens to learn)")
-    return Dataset(str(path), data.kind, tokens.vocab_size, examples=tuple(examples), pad_id=tokens.pad_id)
+    kept = [e for e in examples if seq_len is None or (e[1][1:seq_len] != IGNORE).any()]
+    if not kept:
+        first = min(int((e[1] != IGNORE).nonzero()[0]) for e in examples)
+        raise ConfigError("--seq-len", seq_len, f"cuts every example of {path} before its first token with loss "
+                                                f"(the earliest is token {first + 1}: --seq-len {max(first + 1, 2)} keeps it)")
+    return Dataset(str(path), data.kind, tokens.vocab_size, examples=tuple(kept), pad_id=tokens.pad_id,
+                   skipped=len(examples) - len(kept))
 
 
 def _stream(data: DataFile, tokens: Tokens, ids: list[int]) -> Dataset:

@@ -128,7 +128,7 @@ def load_dataset(config: TrainConfig, vocab_size: int):
 
     directory, flag, allow_bytes = tokenizer_source(config)
     tokenizer = load_tokenizer(directory, flag, allow_bytes=allow_bytes, vocab_size=vocab_size)
-    data = load_data(config.data.path, tokenizer, data_format=config.data.data_format)
+    data = load_data(config.data.path, tokenizer, data_format=config.data.data_format, seq_len=config.data.seq_len)
     if data.vocab_size > vocab_size:
         raise ConfigError(flag if directory else "--data", directory or config.data.path,
                           f"has {data.vocab_size} tokens; the model's vocabulary is {vocab_size}")

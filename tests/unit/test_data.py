@@ -170,3 +170,21 @@ def test_rank_slices_need_an_even_split():
         shard_rows(6, 0, 4)
     with pytest.raises(ConfigError, match="rank"):
         shard_rows(6, 3, 3)
+
+
+def test_examples_cut_before_their_first_loss_token_are_skipped(tmp_path):
+    """An example whose loss tokens all lie past --seq-len would make a batch with no target (loss nan)."""
+    path = write(tmp_path, "pc.jsonl", [{"prompt": "a long prompt of many bytes ", "completion": "x"},
+                                        {"prompt": "Q ", "completion": "yes"}])
+    data = load_data(path, seq_len=8)
+    assert data.size == 1 and data.skipped == 1
+    for i in range(3):
+        _, labels = Batches(data, 2, 8).data.batch(i, 2, 8)
+        assert (labels[:, 1:] != IGNORE).any(dim=1).all()       # every row has a shifted target
+
+
+def test_every_example_cut_before_its_loss_is_an_error_naming_seq_len(tmp_path):
+    path = write(tmp_path, "pc.jsonl", [{"prompt": "a long prompt of many bytes ", "completion": "x"}])
+    with pytest.raises(ConfigError, match="--seq-len"):
+        load_data(path, seq_len=8)
+    assert load_data(path).size == 1                  # without a length, nothing is cut
