@@ -105,7 +105,7 @@ class OptimizerConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     """Where and when checkpoints are written, and whether a run continues from one."""
-    checkpoint_dir: str | None = option(None, "where checkpoints go (default: <--output>/checkpoints, else "
+    checkpoint_dir: str | None = option(None, "where checkpoints go (default: <--output>-checkpoints, else "
                                               "./checkpoints/<run name>; without this flag only a preemption "
                                               "or --checkpoint-every writes there)", metavar="DIR")
     checkpoint_every: int = option(0, "save every N steps (0: at the end, with --checkpoint-dir)",
