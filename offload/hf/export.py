@@ -73,11 +73,18 @@ class StagedDirectory:
         self.target = Path(target)
         self.marker = marker          # a file whose presence says "this is one of ours"
 
+    @staticmethod
+    def check(target: str | os.PathLike, marker: str) -> None:
+        """``target`` may be replaced: absent, an empty directory, or one holding ``marker`` (an
+        earlier export); else a ConfigError for --output (a trainer calls this before training)."""
+        t = Path(target)
+        if t.exists() and (not t.is_dir() or (any(t.iterdir()) and not (t / marker).is_file())):
+            raise ConfigError("--output", str(t), f"exists and is not an earlier export (no {marker}); "
+                                                  "name a new or empty directory")
+
     def __enter__(self) -> Path:
         t = self.target
-        if t.exists() and (not t.is_dir() or (any(t.iterdir()) and not (t / self.marker).is_file())):
-            raise ConfigError("--output", str(t), f"exists and is not an earlier export (no {self.marker}); "
-                                                  "name a new or empty directory")
+        self.check(t, self.marker)
         t.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = t.parent / f".{t.name}.tmp-{os.getpid()}"
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -82,7 +82,11 @@ def check_paths(config: TrainConfig, ranks: Ranks) -> None:
         if not os.path.isdir(path):
             raise ConfigError("--nvme-path", path, "cannot be created: File exists")
     if config.output.output:
+        from ..hf.export import StagedDirectory
+
         writable_dir(config.output.output, "--output")
+        adapter = config.model.lora_rank is not None and not config.output.merge
+        StagedDirectory.check(config.output.output, "adapter_config.json" if adapter else "config.json")
 
 
 def writable_dir(path: str, flag: str) -> None:

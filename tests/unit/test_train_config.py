@@ -134,3 +134,15 @@ def test_a_model_directory_without_a_tokenizer_is_an_error_unless_byte_tokens(tm
 
 def test_the_script_is_a_thin_entry_point():
     assert len(SCRIPT.read_text().splitlines()) <= 60
+
+
+def test_an_output_directory_that_cannot_be_replaced_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """--output replaces only an earlier export (or an empty directory): a directory of other files is
+    refused at start, not after the whole run has trained (with nothing saved)."""
+    mine = tmp_path / "keep"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    code, err = run_script(QUICK + ["--output", str(mine)], monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert f"--output='{mine}': exists and is not an earlier export" in err
+    assert (mine / "notes.txt").read_text() == "mine"
