@@ -125,14 +125,16 @@ def tokenizer_source(config: TrainConfig) -> tuple[str | None, str, bool]:
     return None, "--preset", True
 
 
-def load_dataset(config: TrainConfig, vocab_size: int):
-    """(tokenizer, the tokenized data set): the vocabulary must fit the model's."""
+def load_dataset(config: TrainConfig, vocab_size: int, seq_len: int | None = None):
+    """(tokenizer, the tokenized data set): the vocabulary must fit the model's. ``seq_len``: the
+    run's sequence length (--seq-len, capped at the model's positions), default --seq-len."""
     from ..data import load_data
     from ..tokenizer_files import ByteTokenizer, load_tokenizer
 
     directory, flag, allow_bytes = tokenizer_source(config)
     tokenizer = load_tokenizer(directory, flag, allow_bytes=allow_bytes, vocab_size=vocab_size)
-    data = load_data(config.data.path, tokenizer, data_format=config.data.data_format, seq_len=config.data.seq_len)
+    data = load_data(config.data.path, tokenizer, data_format=config.data.data_format,
+                     seq_len=seq_len or config.data.seq_len)
     if data.vocab_size > vocab_size:
         raise ConfigError(flag if directory else "--data", directory or config.data.path,
                           f"has {data.vocab_size} tokens; the model's vocabulary is {vocab_size}")

@@ -92,7 +92,7 @@ class Trainer:
 
     def build_data(self):
         """(tokenizer or None for byte ids, the tokenized data set ``offload.data.Dataset``)."""
-        return inputs.load_dataset(self.config, self.shape.vocab_size)
+        return inputs.load_dataset(self.config, self.shape.vocab_size, self.seq)
 
     def describe_run(self) -> None:
         """The start-up log: what is trained, on which tokens, where checkpoints go."""
@@ -112,7 +112,7 @@ class Trainer:
         self.say(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {c.model.dtype}, "
                  f"{self.rows} x {self.seq} tokens per step{on_ranks}, {c.optimizer.steps} steps")
         self.say(f"finetune: {inputs.tokens_line(c, self.tokenizer)}; {self.checkpoints.where()}")
-        if self.data.skipped:
+        if getattr(self.data, "skipped", 0):
             self.say(f"finetune: note: {self.data.skipped} of {self.data.size + self.data.skipped} examples of "
                      f"{self.data.path} have no token with loss within --seq-len {self.seq}: skipped")
 
