@@ -79,7 +79,15 @@ def describe_models(args: argparse.Namespace) -> list:
     if getattr(args, "_described", None) is not None:
         return args._described
     out = []
-    if Path(args.model).is_dir():
+    if not Path(args.model).is_dir():
+        from ..models.llama import PRESETS, get_preset
+
+        try:
+            get_preset(args.model)
+        except ConfigError:
+            raise ConfigError("--model", args.model, "is neither a model directory (there is none there) nor a "
+                                                     f"preset ({', '.join('llama-' + p for p in PRESETS)})") from None
+    else:
         from ..hf.describe import describe
 
         out.append(describe(args.model))

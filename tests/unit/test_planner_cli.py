@@ -138,3 +138,11 @@ def test_failing_nvme_probe_offers_only_the_running_commands_flags(tmp_path, mon
     with pytest.raises(OffloadError) as info:
         hardware_for([str(tmp_path)], flags=PLAN_FLAGS, **figures)
     assert str(info.value).endswith("give --nvme-gbps or --nvme-bench FILE")
+
+
+def test_a_mistyped_model_directory_is_named_as_a_directory_not_only_a_preset(capsys, tmp_path):
+    """`--model ./Qwen2.5-7b` (a typo of ./Qwen2.5-7B) used to say only "unknown preset"."""
+    missing = tmp_path / "Qwen2.5-7b"
+    assert main(CLI_100B[:1] + ["--model", str(missing)] + CLI_100B[3:]) == 1
+    err = capsys.readouterr().err
+    assert f"--model='{missing}': is neither a model directory" in err and "llama-7b" in err
