@@ -99,8 +99,25 @@ def tensorboard_tag(key: str) -> str:
     return f"{group}/{_NOT_IN_A_TAG.sub('_', name.replace('->', '_to_'))}"
 
 
+def _drop_lines_after(path: Path, step: int) -> None:
+    """A resumed run's JSON log loses the lines of the steps it redoes (logged past its checkpoint
+    by a launch killed before it could save); lines that are not a step's JSON are kept."""
+    if not path.is_file():
+        return
+    def redone(line: str) -> bool:
+        try:
+            return int(json.loads(line)["step"]) > step
+        except (ValueError, TypeError, KeyError):
+            return False
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if not redone(line)]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
+
+
 class Metrics:
-    """The sinks a run asked for. ``json_log``: a file, one JSON object per step, appended;
+    """The sinks a run asked for. ``json_log``: a file, one JSON object per step, appended (a
+    resumed run first drops the lines past its checkpoint's step);
     ``tensorboard``: a directory of event files; ``plot_dir``: where ``close()`` writes
     ``training.png``. Each may be ``None``."""
 
@@ -130,6 +147,8 @@ class Metrics:
         if json_log is not None:
             try:
                 Path(json_log).parent.mkdir(parents=True, exist_ok=True)
+                if resumed_at:
+                    _drop_lines_after(Path(json_log), resumed_at)
                 self._json = open(json_log, "a")
             except OSError as e:
                 self._close_tensorboard()

@@ -245,3 +245,19 @@ def test_a_resumed_run_draws_the_steps_before_its_checkpoint_and_drops_those_red
     fresh.log(1, {"loss": 1.0})
     fresh.close()
     assert len((tmp_path / HISTORY_NAME).read_text().splitlines()) == 1
+
+
+def test_a_resumed_run_drops_the_json_lines_of_the_steps_it_redoes(tmp_path):
+    """A launch killed at step 3 (checkpoint at step 2, SIGKILL: no last checkpoint) logged step 3;
+    the resumed launch redoes it: the log keeps one line per step, as TensorBoard (purge_step) does."""
+    path = tmp_path / "run.jsonl"
+    first = Metrics(json_log=path)
+    for step in (1, 2, 3):
+        first.log(step, {"loss": 10.0 + step})
+    first.close()
+    second = Metrics(json_log=path, resumed_at=2)
+    for step in (3, 4):
+        second.log(step, {"loss": 20.0 + step})
+    second.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
