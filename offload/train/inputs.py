@@ -87,6 +87,17 @@ def check_paths(config: TrainConfig, ranks: Ranks) -> None:
         writable_dir(config.output.output, "--output")
         adapter = config.model.lora_rank is not None and not config.output.merge
         StagedDirectory.check(config.output.output, "adapter_config.json" if adapter else "config.json")
+        not_inside_output(config)
+
+
+def not_inside_output(config: TrainConfig) -> None:
+    """Writing --output replaces its directory whole: checkpoints and logs must live elsewhere."""
+    out = Path(config.output.output).resolve()
+    for flag, path in (("--checkpoint-dir", config.checkpoint.checkpoint_dir),
+                       ("--json-log", config.logging.json_log), ("--tensorboard", config.logging.tensorboard)):
+        if path is not None and Path(path).resolve().is_relative_to(out):
+            raise ConfigError(flag, path, f"is inside --output ({config.output.output}), which each write of the "
+                                          "output replaces whole: put it beside the output")
 
 
 def writable_dir(path: str, flag: str) -> None:

@@ -146,3 +146,14 @@ def test_an_output_directory_that_cannot_be_replaced_is_refused_before_training(
     assert code == 1 and "Traceback" not in err
     assert f"--output='{mine}': exists and is not an earlier export" in err
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flag, where", [("--checkpoint-dir", "out"), ("--checkpoint-dir", "out/ckpt"),
+                                         ("--json-log", "out/log.jsonl"), ("--tensorboard", "out/tb")])
+def test_what_writing_the_output_would_delete_is_refused_at_start(flag, where, tmp_path, monkeypatch, capsys):
+    """Writing --output replaces its directory whole: checkpoints or logs inside it would be deleted
+    (or, the first time, make the output directory 'not an earlier export' after the run trained)."""
+    code, err = run_script(QUICK + ["--output", str(tmp_path / "out"), flag, str(tmp_path / where)],
+                           monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert f"finetune: error: {flag}='{tmp_path / where}': is inside --output" in err
