@@ -57,12 +57,26 @@ def max_shard_bytes(value) -> int:
     return n
 
 
-def support_files(source: Path | None) -> list[Path]:
-    """Files of a model directory to carry over unchanged: tokenizer, generation config, chat template."""
-    if source is None or not source.is_dir():
-        return []
-    return sorted(p for p in source.iterdir() if p.is_file() and p.name not in _NOT_COPIED
-                  and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("."))
+# A tokenizer's files: an output takes them from the run's --tokenizer directory when it has one.
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json"}
+
+
+def support_files(source: Path | None, tokenizer: str | os.PathLike | None = None) -> list[Path]:
+    """Files of a model directory to carry over unchanged: tokenizer, generation config, chat template.
+    ``tokenizer``: the directory of the tokenizer the run used instead of the source's (its
+    tokenizer files replace the source's)."""
+    def carried(directory) -> list[Path]:
+        directory = Path(directory) if directory is not None else None
+        if directory is None or not directory.is_dir():
+            return []
+        return sorted(p for p in directory.iterdir() if p.is_file() and p.name not in _NOT_COPIED
+                      and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("."))
+    if tokenizer is None:
+        return carried(source)
+    return sorted([p for p in carried(source) if p.name not in TOKENIZER_FILES] +
+                  [p for p in carried(tokenizer) if p.name in TOKENIZER_FILES], key=lambda p: p.name)
 
 
 class StagedDirectory:
@@ -170,7 +184,8 @@ def _shapes(model) -> dict[str, torch.Size]:
 
 def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.PathLike | None = None,
                       max_shard_size="5GB", dtype=None, rename=None, transform=None,
-                      hf_config=None, expand=None, config: dict | bytes | None = None) -> Path:
+                      hf_config=None, expand=None, config: dict | bytes | None = None,
+                      tokenizer: str | os.PathLike | None = None) -> Path:
     """Write ``model`` (wrapped, an HF ``PreTrainedModel``) as an HF directory; returns its path.
 
     ``source``: the directory it was loaded from (tokenizer and generation files are copied from
@@ -179,6 +194,7 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     ``rename`` / ``transform``: see ``offload.export_safetensors`` (merged LoRA uses them).
     ``config``: the ``config.json`` to write, as parsed JSON or as the file's bytes (``offload.hf.output``
     passes the source's); default: ``hf_config`` (the model's) with its dtype set to the weights'.
+    ``tokenizer``: the directory of the tokenizer trained with, when not the source's (its files go along).
     Under data parallelism every rank calls it; rank 0 writes the directory (see
     ``export_safetensors``), on a filesystem of its own or shared; an error on any rank raises on all.
     """
@@ -206,7 +222,7 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     if ranks.lead:
         try:
             tmp = stage.__enter__()
-            for f in support_files(Path(source) if source is not None else None):
+            for f in support_files(Path(source) if source is not None else None, tokenizer):
                 shutil.copy2(f, tmp / f.name)
             if isinstance(config, bytes):
                 (tmp / "config.json").write_bytes(config)

@@ -119,7 +119,8 @@ def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path | None = None) -> Path:
+def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path | None = None,
+                 tokenizer: str | os.PathLike | None = None) -> Path:
     """Write the trained adapter in peft's format (``PeftModel.from_pretrained`` loads it), staged
     and renamed into place; the fp32 values the optimizer holds, gathered from their chunks."""
     import shutil
@@ -139,7 +140,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path
         try:
             with StagedDirectory(directory, marker="adapter_config.json") as tmp:
                 model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-                for f in support_files(source):
+                for f in support_files(source, tokenizer):
                     if f.name != "generation_config.json":
                         shutil.copy2(f, tmp / f.name)
         except Exception as exc:

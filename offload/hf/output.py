@@ -28,10 +28,11 @@ _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 
 
 def write_output(model, directory: str | os.PathLike, *, merge: bool = False, max_shard_size="5GB",
-                 dtype=None) -> Path:
+                 dtype=None, tokenizer: str | os.PathLike | None = None) -> Path:
     """Full fine-tune: an HF model directory. LoRA: the adapter in peft's format, or with ``merge``
     the base model with the adapter folded in, as an HF model directory. ``dtype`` (``"bf16"``,
-    ``"fp16"``, ``"fp32"`` or a torch dtype): the weights' dtype; default the source's."""
+    ``"fp16"``, ``"fp32"`` or a torch dtype): the weights' dtype; default the source's.
+    ``tokenizer``: the tokenizer directory the run used when not the source's; its files go along."""
     wanted = parse_dtype(dtype)
     ckpt = getattr(model, "hf_checkpoint", None)
     source = getattr(ckpt, "directory", None)
@@ -41,19 +42,19 @@ def write_output(model, directory: str | os.PathLike, *, merge: bool = False, ma
             out_dtype, config = source_settings(ckpt, wanted)
             return export_pretrained(model, directory, source=source, max_shard_size=max_shard_size,
                                      rename=rename, transform=transform, dtype=out_dtype, config=config,
-                                     hf_config=model.get_base_model().config)
+                                     hf_config=model.get_base_model().config, tokenizer=tokenizer)
         if wanted is not None:
             raise ConfigError("dtype", dtype, "applies to model weights; a LoRA adapter is written as peft "
                                               "saves it (merge=True writes merged weights in that dtype)")
-        return save_adapter(model, directory, source=source)
+        return save_adapter(model, directory, source=source, tokenizer=tokenizer)
     if merge:
         raise ConfigError("--merge", True, "needs a LoRA run (--lora-rank)")
     if is_preset(model):
         return export_pretrained(model, directory, max_shard_size=max_shard_size, dtype=wanted,
-                                 hf_config=hf_llama_config(model.config))
+                                 hf_config=hf_llama_config(model.config), tokenizer=tokenizer)
     out_dtype, config = source_settings(ckpt, wanted)
     return export_pretrained(model, directory, source=source, max_shard_size=max_shard_size, dtype=out_dtype,
-                             config=config)
+                             config=config, tokenizer=tokenizer)
 
 
 def source_settings(ckpt, wanted: torch.dtype | None) -> tuple[torch.dtype | None, dict | bytes | None]:

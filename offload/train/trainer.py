@@ -272,7 +272,8 @@ class Trainer:
             config.use_cache = getattr(self.model_info.hf_config, "use_cache", training)
         try:
             path = write_output(model, c.output.output, merge=c.output.merge,
-                                max_shard_size=c.output.max_shard_size, dtype=c.output.output_dtype)
+                                max_shard_size=c.output.max_shard_size, dtype=c.output.output_dtype,
+                                tokenizer=c.model.tokenizer)
         finally:
             if config is not None:
                 config.use_cache = training
