@@ -61,6 +61,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if "." in key:
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
+    given = values.get("model", {})
+    for chosen, other in (("model", "preset"), ("preset", "model")):   # one choice: the flag's replaces the file's
+        if chosen in given and other not in given:
+            given[other] = None
     return with_values(config, values)
 
 

@@ -157,3 +157,18 @@ def test_what_writing_the_output_would_delete_is_refused_at_start(flag, where, t
                            monkeypatch, capsys)
     assert code == 1 and "Traceback" not in err
     assert f"finetune: error: {flag}='{tmp_path / where}': is inside --output" in err
+
+
+def test_a_model_flag_overrides_the_files_preset_and_back(tmp_path):
+    """--model and --preset are one choice (what is trained): the flag's replaces the file's, not
+    'exclude each other'."""
+    from offload.train.flags import parse
+
+    preset = tmp_path / "preset.toml"
+    preset.write_text('[model]\npreset = "small"\n')
+    config = parse(["--config", str(preset), "--model", "./my-model"])
+    assert config.model.model == "./my-model" and config.model.preset is None
+    model = tmp_path / "model.toml"
+    model.write_text('[model]\nmodel = "./my-model"\n')
+    config = parse(["--config", str(model), "--preset", "tiny"])
+    assert config.model.preset == "tiny" and config.model.model is None
