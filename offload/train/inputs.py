@@ -160,6 +160,16 @@ def tokens_line(config: TrainConfig, tokenizer) -> str:
     return f"tokens: bytes (256 ids; {why})"
 
 
+def data_line(config: TrainConfig, data) -> str:
+    """What the start-up log says about the data: the file (or that none was given: the corpus
+    shipped with offload, which a fine-tune would not want unawares), its kind and size."""
+    if config.data.data is None:
+        return "data: the corpus shipped with offload (no --data given)"
+    if getattr(data, "stream", None) is not None:
+        return f"data: {config.data.data} (text, {data.size:,} tokens)"
+    return f"data: {config.data.data} ({getattr(data, 'kind', 'records')}, {getattr(data, 'size', 0):,} examples)"
+
+
 def cpu_without_fast_bf16(dtype: str) -> str | None:
     """A note when the run computes bf16 on a CPU without bf16 matrix instructions (no
     avx512_bf16 / amx_bf16): torch then runs bf16 matmuls one to two orders of magnitude slower

@@ -112,6 +112,7 @@ class Trainer:
         self.say(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {c.model.dtype}, "
                  f"{self.rows} x {self.seq} tokens per step{on_ranks}, {c.optimizer.steps} steps")
         self.say(f"finetune: {inputs.tokens_line(c, self.tokenizer)}; {self.checkpoints.where()}")
+        self.say(f"finetune: {inputs.data_line(c, self.data)}")
         if getattr(self.data, "skipped", 0):
             self.say(f"finetune: note: {self.data.skipped} of {self.data.size + self.data.skipped} examples of "
                      f"{self.data.path} have no token with loss within --seq-len {self.seq}: skipped")

@@ -172,3 +172,13 @@ def test_a_model_flag_overrides_the_files_preset_and_back(tmp_path):
     model.write_text('[model]\nmodel = "./my-model"\n')
     config = parse(["--config", str(model), "--preset", "tiny"])
     assert config.model.preset == "tiny" and config.model.model is None
+
+
+def test_the_start_up_log_names_the_data_and_the_shipped_corpus_when_no_data_is_given(tmp_path, monkeypatch, capsys):
+    """Forgetting --data trains on the corpus shipped with the project: the log must say so."""
+    code, err = run_script(QUICK, monkeypatch, capsys)
+    assert code == 0 and "data: the corpus shipped with offload (no --data given)" in err
+    text = tmp_path / "mine.txt"
+    text.write_text("hello world " * 50)
+    code, err = run_script(QUICK + ["--data", str(text)], monkeypatch, capsys)
+    assert code == 0 and f"data: {text} (text, 600 tokens)" in err
