@@ -28,6 +28,9 @@ def check_config(config: TrainConfig, ranks: Ranks = Ranks()) -> None:
         raise ConfigError("--lora-rank", m.lora_rank, "needs --model DIR (a Hugging Face model directory)")
     if o.merge and m.lora_rank is None:
         raise ConfigError("--merge", True, "needs --lora-rank (it merges the trained adapter into the base)")
+    if o.output_dtype and m.lora_rank is not None and not o.merge:
+        raise ConfigError("--output-dtype", o.output_dtype, "applies to model weights: a LoRA adapter is written "
+                                                            "as peft saves it (--merge writes merged weights in it)")
     if o.save_every and not o.output:
         raise ConfigError("--save-every", o.save_every, "needs --output")
     if d.batch_tokens < d.seq_len:
@@ -81,6 +84,8 @@ def check_paths(config: TrainConfig, ranks: Ranks) -> None:
             raise ConfigError("--nvme-path", path, f"cannot be created: {exc.strerror}") from exc
         if not os.path.isdir(path):
             raise ConfigError("--nvme-path", path, "cannot be created: File exists")
+    if config.checkpoint.checkpoint_dir:
+        writable_dir(config.checkpoint.checkpoint_dir, "--checkpoint-dir")
     if config.output.output:
         from ..hf.export import StagedDirectory
 

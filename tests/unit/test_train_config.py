@@ -182,3 +182,21 @@ def test_the_start_up_log_names_the_data_and_the_shipped_corpus_when_no_data_is_
     text.write_text("hello world " * 50)
     code, err = run_script(QUICK + ["--data", str(text)], monkeypatch, capsys)
     assert code == 0 and f"data: {text} (text, 600 tokens)" in err
+
+
+def test_an_adapter_output_dtype_is_refused_before_training():
+    """--output-dtype without --merge on a LoRA run failed only when the output was written, after
+    the whole run."""
+    from offload.train.flags import parse
+    from offload.train.inputs import check_config
+
+    with pytest.raises(ConfigError, match="--output-dtype.*--merge"):
+        check_config(parse(["--model", "m", "--lora-rank", "4", "--output", "o", "--output-dtype", "bf16"]))
+    check_config(parse(["--model", "m", "--lora-rank", "4", "--merge", "--output", "o", "--output-dtype", "bf16"]))
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_named_as_the_flag(tmp_path, monkeypatch, capsys):
+    afile = tmp_path / "ckpt"
+    afile.write_text("")
+    code, err = run_script(QUICK + ["--checkpoint-dir", str(afile)], monkeypatch, capsys)
+    assert code == 1 and f"finetune: error: --checkpoint-dir='{afile}': is not a directory" in err
