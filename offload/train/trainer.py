@@ -22,6 +22,7 @@ import math
 import sys
 import time
 
+from ..data import IGNORE
 from ..errors import ConfigError, OffloadError
 from . import inputs, planning, report
 from .checkpointing import CheckpointManager
@@ -205,12 +206,22 @@ class Trainer:
 
     def train_step(self, batch) -> float:
         """One optimizer step over ``batch`` (input ids, labels), split into the micro-batches of
-        gradient accumulation; returns the loss, the mean over the ranks."""
-        ids, labels = (t.to(self.model.offload_engine.device) for t in batch)
+        gradient accumulation; returns the loss, the mean over the ranks. The step's loss is the
+        mean over all its target tokens (as one pass over the global batch computes it): each
+        micro-batch's mean is weighted by its share of them, so examples of unequal length count
+        alike however the step is split over micro-batches and ranks."""
+        device = self.model.offload_engine.device
+        ids, labels = (t.to(device) for t in batch)
         k = self.engine_config.gradient_accumulation_steps
+        parts = list(zip(ids.chunk(k), labels.chunk(k)))
+        counts = [int((part_labels[:, 1:] != IGNORE).sum()) for _, part_labels in parts]   # targets: shifted labels
+        total = round(self.ranks.mean(float(sum(counts)), device) * self.ranks.world)
+        # engine gradients are the ranks' mean: a micro-batch's weight is its targets' share times the world
+        weights = [1 / k if total in (0, n * k * self.ranks.world) else n * self.ranks.world / total for n in counts]
         value = 0.0
-        for part_ids, part_labels in zip(ids.chunk(k), labels.chunk(k)):
-            loss = self.compute_loss(part_ids, part_labels) / k
+        for (part_ids, part_labels), w in zip(parts, weights):
+            loss = self.compute_loss(part_ids, part_labels)
+            loss = loss / k if w == 1 / k else loss * w
             loss.backward()
             value += loss.item()
         t0 = time.perf_counter()
