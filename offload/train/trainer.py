@@ -313,7 +313,8 @@ class Trainer:
         try:
             self.optimizer = self.build_optimizer()
             self.scheduler = self.build_scheduler()
-            start = self.done = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.batches)
+            with ranks.together():      # load_checkpoint fails alike on every rank: rank 0 says it once
+                start = self.done = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.batches)
             self.say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; "
                      f"{self.model.offload_engine.chunks.layout}")
             self.flops_per_token = flops_per_token(self.shape, self.seq)
