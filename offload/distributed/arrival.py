@@ -1,10 +1,11 @@
 """Whole-model collectives are called on every rank: each call first checks that every rank came.
 
 Under N ranks ``model.state_dict()`` and ``load_state_dict()`` are collectives (each chunk comes
-from its owner). A call on some ranks only -- HF ``Trainer.save_model`` and ``save_pretrained``
+from its owner), as are ``save_checkpoint``, ``load_checkpoint`` and the exports. A call on some ranks only -- HF ``Trainer.save_model`` and ``save_pretrained``
 run on rank 0 alone -- left the caller in a broadcast no peer issues while the peers went on:
 to the end of the script (then a misleading "rank 1 failed"), or into a collective of their own
-(accelerate's ``wait_for_everyone``, the next forward's gathers), which pairs with the caller's
+(accelerate's ``wait_for_everyone``, the next forward's gathers; the same after an
+``export_pretrained`` under ``if rank == 0``), which pairs with the caller's
 by position: a hang until the process group's timeout, or the wrong bytes.
 
 ``arrive`` runs before such a call's first collective. Every rank writes the call's name under
@@ -26,16 +27,17 @@ from ..errors import DistributedError, OffloadError
 PREFIX = "offload/arrival"
 TIMEOUT_ENV = "OFFLOAD_ARRIVAL_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
-HINT = ("under several ranks it is a collective, called on every rank (HF Trainer.save_model and "
-        "save_pretrained call it on rank 0 alone: set save_strategy=\"no\" and call "
-        "offload.hf.export_pretrained(model, dir) or offload.save_checkpoint on every rank)")
+HINT = "under several ranks it is a collective: call it on every rank"
+HF_HINT = ("; HF Trainer.save_model and save_pretrained call it on rank 0 alone: set save_strategy=\"no\" "
+           "and call offload.hf.export_pretrained(model, dir) or offload.save_checkpoint on every rank")
 
 class MissingRank(DistributedError):
     """A whole-model collective that some rank did not call (``failed_rank``: the first missing)."""
 
     def __init__(self, rank: int, what: str, why: str, missing: int):
         self.rank, self.what, self.failed_rank = rank, what, missing
-        OffloadError.__init__(self, f"rank {rank}: {what}: {why}; {HINT}")
+        hint = HINT + (HF_HINT if what in ("state_dict", "load_state_dict") else "")
+        OffloadError.__init__(self, f"rank {rank}: {what}: {why}; {hint}")
 
 
 _sequence: dict[tuple, int] = {}      # (store namespace, rank): whole-model calls this rank made
