@@ -61,48 +61,52 @@ def arrive(what: str, sharding) -> None:
     from . import failure
 
     store = distributed_c10d._get_default_store()
-    wait_for(store, sharding.rank, sharding.world, what, timeout_s(), gone=failure.failed_peer)
+    wait_for(store, sharding.rank, sharding.world, what, timeout_s(),
+             gone=lambda: failure.failed_peer(timeout_s=None))     # the store's own timeout untouched
 
 
 def wait_for(store, rank: int, world: int, what: str, timeout: float, *, gone=None,
-             namespace: str = PREFIX, poll_s: float = 0.02) -> None:
+             namespace: str = PREFIX) -> None:
     """The rendezvous over ``store`` (``arrive`` without a process group, for tests): ``gone()``
-    gives ``(rank, why)`` of a peer known to have failed or exited, else ``(None, "")``."""
+    gives ``(rank, why)`` of a peer known to have failed or exited, else ``(None, "")``. Each rank
+    polls one counter (backing off to 0.2 s), so the store's load does not grow with N squared;
+    the names are read once, when everyone is in (or when giving up)."""
     seq = _sequence.get((namespace, rank), 0)
     key = f"{namespace}/{seq}"
-    mine = f"{key}/{rank}"
+    mine, count = f"{key}/{rank}", f"{key}/count"
     store.set(mine, what)
+    arrived = store.add(count, 1)
     peers = [r for r in range(world) if r != rank]
     deadline = time.monotonic() + timeout
-    checked_gone = time.monotonic()
-    while True:
-        missing = [r for r in peers if not store.check([f"{key}/{r}"])]
-        for r in peers:
-            if r not in missing:
-                theirs = store.get(f"{key}/{r}").decode(errors="replace")
-                if theirs != what:      # both ranks see it (neither withdraws); the number is used up
-                    _sequence[(namespace, rank)] = seq + 1
-                    raise MissingRank(rank, what, f"rank {r} called {theirs} instead", r)
-        if not missing:
-            _sequence[(namespace, rank)] = seq + 1
-            return
+    checked_gone, poll = time.monotonic(), 0.002
+    while arrived < world:
         now = time.monotonic()
         if gone is not None and now - checked_gone > 1.0:
             checked_gone = now
             failed, why = gone()
-            if failed is not None and failed in missing:
-                _withdraw(store, mine)
+            if failed is not None and not store.check([f"{key}/{failed}"]):
+                _withdraw(store, mine, count)
                 raise MissingRank(rank, what, f"rank {failed} did not call it ({why})", failed)
         if now > deadline:
-            _withdraw(store, mine)
+            _withdraw(store, mine, count)
+            missing = [r for r in peers if not store.check([f"{key}/{r}"])] or peers
             names = ", ".join(f"rank {r}" for r in missing)
             raise MissingRank(rank, what, f"{names} did not call it within {timeout:g} s ({TIMEOUT_ENV})",
                               missing[0])
-        time.sleep(poll_s)
+        time.sleep(poll)
+        poll = min(2 * poll, 0.2)
+        arrived = store.add(count, 0)
+    _sequence[(namespace, rank)] = seq + 1        # every rank is in: the number is used up
+    for r in peers:
+        theirs = store.get(f"{key}/{r}").decode(errors="replace") if store.check([f"{key}/{r}"]) else None
+        if theirs != what:          # in another whole-model call (both ranks raise), or gave up just now
+            raise MissingRank(rank, what, f"rank {r} called {theirs} instead" if theirs else
+                              f"rank {r} gave up waiting", r)
 
 
-def _withdraw(store, key: str) -> None:
+def _withdraw(store, key: str, count: str) -> None:
     try:
+        store.add(count, -1)
         store.delete_key(key)
     except Exception:
         pass

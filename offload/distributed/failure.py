@@ -46,13 +46,15 @@ def mark_failed(rank: int, exc: BaseException) -> None:
         pass
 
 
-def failed_peer(timeout_s: float = 2.0) -> tuple[int | None, str]:
-    """(rank, its error) of a peer that marked itself failed or whose process is gone, or (None, "")."""
+def failed_peer(timeout_s: float | None = 2.0) -> tuple[int | None, str]:
+    """(rank, its error) of a peer that marked itself failed or whose process is gone, or (None, "").
+    ``timeout_s``: set as the store's timeout first (after a failed collective); None leaves it."""
     store = _store()
     if store is None:
         return None, ""
     try:
-        store.set_timeout(timedelta(seconds=timeout_s))
+        if timeout_s is not None:
+            store.set_timeout(timedelta(seconds=timeout_s))
         if store.check([KEY]):
             text = store.get(KEY).decode(errors="replace")
             rank, _, why = text.partition(": ")
