@@ -12,7 +12,7 @@ by position: a hang until the process group's timeout, or the wrong bytes.
 its own key for the call's sequence number in the process group's store (not a collective:
 nothing pairs with it) and waits until every rank of the group has written that number. A rank
 whose peer does not come within ``OFFLOAD_ARRIVAL_TIMEOUT_S`` seconds (default 300), or whose
-peer's process exits, or which finds a peer in another whole-model call, raises one
+peer's process has exited (a peer on this host; the store is not given a shorter timeout), or which finds a peer in another whole-model call, raises one
 ``DistributedError`` saying which rank is missing and that the call is a collective, and withdraws
 its key so that the sequence numbers stay aligned (ranks in two different calls both raise).
 """
@@ -62,7 +62,7 @@ def arrive(what: str, sharding) -> None:
 
     store = distributed_c10d._get_default_store()
     wait_for(store, sharding.rank, sharding.world, what, timeout_s(),
-             gone=lambda: failure.failed_peer(timeout_s=None))     # the store's own timeout untouched
+             gone=failure.exited_peer)
 
 
 def wait_for(store, rank: int, world: int, what: str, timeout: float, *, gone=None,

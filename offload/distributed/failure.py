@@ -46,15 +46,13 @@ def mark_failed(rank: int, exc: BaseException) -> None:
         pass
 
 
-def failed_peer(timeout_s: float | None = 2.0) -> tuple[int | None, str]:
-    """(rank, its error) of a peer that marked itself failed or whose process is gone, or (None, "").
-    ``timeout_s``: set as the store's timeout first (after a failed collective); None leaves it."""
+def failed_peer(timeout_s: float = 2.0) -> tuple[int | None, str]:
+    """(rank, its error) of a peer that marked itself failed or whose process is gone, or (None, "")."""
     store = _store()
     if store is None:
         return None, ""
     try:
-        if timeout_s is not None:
-            store.set_timeout(timedelta(seconds=timeout_s))
+        store.set_timeout(timedelta(seconds=timeout_s))
         if store.check([KEY]):
             text = store.get(KEY).decode(errors="replace")
             rank, _, why = text.partition(": ")
@@ -62,6 +60,18 @@ def failed_peer(timeout_s: float | None = 2.0) -> tuple[int | None, str]:
                 return int(rank), why
             except ValueError:
                 return None, text
+        return _exited_peer(store)
+    except Exception:
+        return None, ""
+
+
+def exited_peer() -> tuple[int | None, str]:
+    """(rank, why) of a peer on this host whose process is gone, or (None, ""): a fact, unlike a
+    failure mark (which a thread's error may leave while its process goes on)."""
+    store = _store()
+    if store is None:
+        return None, ""
+    try:
         return _exited_peer(store)
     except Exception:
         return None, ""
