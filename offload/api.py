@@ -13,6 +13,7 @@ from torch import nn
 
 from . import grad_clip
 from .config import OffloadConfig
+from .distributed.arrival import arrive
 from .engine import OffloadEngine
 from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
@@ -45,6 +46,7 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     original_load = model.load_state_dict
 
     def state_dict(*args, destination=None, prefix="", keep_vars=False):
+        arrive("state_dict", chunks.sharding)     # a collective: every rank, or a one-line error
         chunks.drain()
         sd = original_state_dict(*args, destination=destination, prefix=prefix, keep_vars=True)
         values = chunks.gather()
@@ -56,6 +58,7 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
         return sd
 
     def load_state_dict(state: dict, strict: bool = True, assign: bool = False):
+        arrive("load_state_dict", chunks.sharding)
         chunks.drain()
         by_name = dict(model.named_parameters(remove_duplicate=False))
         values, rest = {}, {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_tag() -> str:
+    """``" (rank N)"`` under torchrun on a rank other than 0 (rank 0's line speaks for the run)."""
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    return f" (rank {rank})" if world not in ("", "1") and rank not in ("", "0") else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except OffloadError as exc:
-        print(f"offload: error: {exc}", file=sys.stderr)
+        print(f"offload: error{_rank_tag()}: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("offload: interrupted", file=sys.stderr)

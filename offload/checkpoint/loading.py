@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ChecksumError, ConfigError, OffloadError
 from .compat import check_compatible
@@ -76,6 +77,7 @@ def load_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     Under data parallelism every rank calls it, at any world size (see the module docstring).
     """
     engine = engine_of(model, required=True)
+    arrive("load_checkpoint", engine.chunks.sharding)        # every rank, or a one-line error
     ranks = Ranks.of(engine)
     error, found = None, None
     try:

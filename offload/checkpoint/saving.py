@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
@@ -56,6 +57,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     a filesystem all ranks share; it returns on every rank once the checkpoint is in place.
     """
     engine = engine_of(model, required=True)
+    arrive("save_checkpoint", engine.chunks.sharding)        # every rank, or a one-line error
     ranks = Ranks.of(engine)
     error, plan = None, None
     try:

@@ -65,6 +65,18 @@ def failed_peer(timeout_s: float = 2.0) -> tuple[int | None, str]:
         return None, ""
 
 
+def exited_peer() -> tuple[int | None, str]:
+    """(rank, why) of a peer on this host whose process is gone, or (None, ""): a fact, unlike a
+    failure mark (which a thread's error may leave while its process goes on)."""
+    store = _store()
+    if store is None:
+        return None, ""
+    try:
+        return _exited_peer(store)
+    except Exception:
+        return None, ""
+
+
 def _exited_peer(store) -> tuple[int | None, str]:
     from torch import distributed as dist
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.ranks import Ranks
+from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ConfigError
 from ..units import parse_bytes
@@ -204,6 +205,7 @@ def export_pretrained(model, directory: str | os.PathLike, *, source: str | os.P
     if config is None and (hf_config is None or not hasattr(hf_config, "to_json_file")):
         raise ConfigError("model", type(model).__name__, "has no Hugging Face config to export with")
     engine = engine_of(model)
+    arrive("export_pretrained", None if engine is None else engine.chunks.sharding)
     out_dtype = parse_dtype(dtype) or (engine.chunks.kinds["param"] if engine is not None else torch.float32)
     if source is None and getattr(model, "hf_checkpoint", None) is not None:
         source = model.hf_checkpoint.directory

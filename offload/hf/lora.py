@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..distributed.arrival import arrive
 from ..errors import ConfigError, OffloadError, one_line
 
 PREFIX = "base_model.model."
@@ -129,6 +130,7 @@ def save_adapter(model: nn.Module, directory: str | os.PathLike, *, source: Path
     from .export import StagedDirectory, support_files
 
     engine = model.offload_engine
+    arrive("save_adapter", engine.chunks.sharding)
     named = adapter_parameters(model)
     values = engine.chunks.gather([p for _, p in named])
     state = {n: values[id(p)] for n, p in named}

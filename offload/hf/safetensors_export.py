@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import persistent_buffers, write_file_atomic
+from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .chunk_source import ChunkSource
@@ -117,6 +118,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     """
     engine = engine_of(model)
     chunks = engine.chunks if engine is not None else None
+    arrive("export_safetensors", None if chunks is None else chunks.sharding)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError("max_shard_bytes", max_shard_bytes, "must be a positive number of bytes")
     out_dtype = parse_dtype(dtype)
