@@ -89,10 +89,10 @@ def check_paths(config: TrainConfig, ranks: Ranks) -> None:
     if config.output.output:
         from ..hf.export import StagedDirectory
 
+        not_inside_output(config)
         writable_dir(config.output.output, "--output")
         adapter = config.model.lora_rank is not None and not config.output.merge
         StagedDirectory.check(config.output.output, "adapter_config.json" if adapter else "config.json")
-        not_inside_output(config)
 
 
 def not_inside_output(config: TrainConfig) -> None:
@@ -103,6 +103,12 @@ def not_inside_output(config: TrainConfig) -> None:
         if path is not None and Path(path).resolve().is_relative_to(out):
             raise ConfigError(flag, path, f"is inside --output ({config.output.output}), which each write of the "
                                           "output replaces whole: put it beside the output")
+    # The source is read again when the output is written (its config, tokenizer, a LoRA base), and
+    # replacing it would lose the model the user fine-tuned from.
+    for flag, path in (("--model", config.model.model), ("--tokenizer", config.model.tokenizer)):
+        if path is not None and Path(path).resolve().is_relative_to(out):
+            raise ConfigError("--output", config.output.output, f"would replace {flag} {path}, the source this "
+                                                                "run reads: name a new directory")
 
 
 def writable_dir(path: str, flag: str) -> None:

@@ -200,3 +200,18 @@ def test_a_checkpoint_dir_that_is_a_file_is_named_as_the_flag(tmp_path, monkeypa
     afile.write_text("")
     code, err = run_script(QUICK + ["--checkpoint-dir", str(afile)], monkeypatch, capsys)
     assert code == 1 and f"finetune: error: --checkpoint-dir='{afile}': is not a directory" in err
+
+
+@pytest.mark.parametrize("where", ["model", "."])
+def test_an_output_that_would_replace_the_source_model_is_refused_at_start(where, tmp_path, monkeypatch, capsys):
+    """--output the --model directory itself (or a directory holding it) would replace the model the
+    run fine-tunes from, and which the export reads again: refused before anything runs."""
+    from tests.helpers.hf_models import save_tiny
+
+    model = save_tiny(tmp_path / "model")
+    before = sorted(p.name for p in model.iterdir())
+    code, err = run_script(["--model", str(model), "--byte-tokens", "--no-plan", "--dry-run", "--dtype", "fp32",
+                            "--output", str(tmp_path / where)], monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert f"finetune: error: --output='{tmp_path / where}': would replace --model {model}" in err
+    assert sorted(p.name for p in model.iterdir()) == before
