@@ -76,6 +76,7 @@ from .workload import (
 )
 
 MIN_STATE_OVER_CPU = 4        # the issue's "total state >= 4x the CPU budget"
+PER_RANK_TOKENS = 512         # --batch-tokens' default, per rank
 DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
 
 
@@ -86,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", help="LLaMA preset of offload.models.llama (default small)")
     parser.add_argument("--steps", type=int, default=10, help="timed samples of two steps each (median; default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--batch-tokens", type=int, default=512,
-                        help="tokens per step; sequences of min(this, the preset's max_seq_len) (default 512)")
+    parser.add_argument("--batch-tokens", type=int, default=None,
+                        help="tokens per step (global under --nproc); sequences of min(this, the preset's "
+                             f"max_seq_len) (default {PER_RANK_TOKENS} per rank: {PER_RANK_TOKENS} x --nproc)")
     parser.add_argument("--cpu-budget", default=None,
                         help="CPU tier bytes (default: state / 5, so the state is >= 4x the budget)")
     parser.add_argument("--device-budget", default=None,
@@ -314,12 +316,17 @@ def parse_batch_curve(text: str | None) -> list[int] | None:
     return out
 
 
+def default_tokens(args) -> int:
+    """--batch-tokens, else one sequence of PER_RANK_TOKENS a rank: the default splits over any --nproc."""
+    return args.batch_tokens if args.batch_tokens is not None else PER_RANK_TOKENS * max(1, args.nproc)
+
+
 def run(args) -> int:
     if args.nproc != 1:
         return _run_distributed(args)
     with scratch_dir(args.path, remove_tree=True) as path:
         report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
-                         batch_tokens=args.batch_tokens, cpu_budget=args.cpu_budget,
+                         batch_tokens=default_tokens(args), cpu_budget=args.cpu_budget,
                          device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
                          in_memory=not args.no_in_memory, quiet=False,
                          batch_curve=parse_batch_curve(args.batch_curve))
@@ -336,7 +343,7 @@ def _run_distributed(args) -> int:
         raise ConfigError("--batch-curve", args.batch_curve, "is not measured with --nproc > 1")
     with scratch_dir(args.path, remove_tree=True) as path:
         report = distributed.measure(path, nproc=args.nproc, preset=args.preset, steps=args.steps,
-                                     warmup=args.warmup, batch_tokens=args.batch_tokens,
+                                     warmup=args.warmup, batch_tokens=default_tokens(args),
                                      cpu_budget=args.cpu_budget, device_budget=args.device_budget,
                                      device=args.device, fsdp=not args.no_in_memory,
                                      chunk_size=distributed.parse_chunk_size(args.chunk_size), quiet=False)

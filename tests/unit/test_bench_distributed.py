@@ -276,3 +276,20 @@ def test_command_runs_the_distributed_bench(tmp_path, monkeypatch, capsys):
     assert rc == 0 and "--nproc 2" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["nproc"] == 2 and r["run"]["preset"] == "tiny" and r["fsdp2"]["step_s"] == 1.0
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3, 8])
+def test_the_default_batch_splits_over_any_number_of_ranks(nproc):
+    """`offload bench step --nproc N` runs on its defaults (it refused N=2: 512 tokens were one
+    sequence two ranks cannot share): one sequence of 512 tokens a rank by default."""
+    import argparse
+
+    from offload.bench.step import add_arguments, default_tokens
+    from offload.models.llama import get_preset
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--nproc", str(nproc)])
+    rows, seq = bench_dp.check_args(nproc, default_tokens(args), get_preset("small").max_seq_len, "cpu")
+    assert rows == nproc and seq == 512
+    assert default_tokens(parser.parse_args(["--nproc", str(nproc), "--batch-tokens", "4096"])) == 4096
