@@ -313,12 +313,11 @@ class ChunkTraffic:
         for the optimizer: theirs are the only chunks not busy. GPU tiers: copies down are fenced."""
         if self.gpu_tier(tier) or not any(self.records[k].only_on(tier) for k in victims):
             return False
-        for key in self.resident[tier]:
-            pending = self.records[key].incoming.get("nvme")
-            if pending is not None and pending[1].src == tier:
-                pending[1].wait()
-                return True
-        return False
+        writing = next((m for m in self.in_flight if m.src == tier and m.dst == "nvme"), None)
+        if writing is None:
+            return False
+        writing.wait()
+        return True
 
     def _pinned_elsewhere(self, tier: str) -> bool:
         me = threading.get_ident()
