@@ -99,20 +99,27 @@ def tensorboard_tag(key: str) -> str:
     return f"{group}/{_NOT_IN_A_TAG.sub('_', name.replace('->', '_to_'))}"
 
 
-def _drop_lines_after(path: Path, step: int) -> None:
-    """A resumed run's JSON log loses the lines of the steps it redoes (logged past its checkpoint
-    by a launch killed before it could save); lines that are not a step's JSON are kept."""
+def _keep_steps_up_to(path: Path, step: int) -> list[dict]:
+    """A resumed run's JSON-lines file (the log, the plot's history) loses the lines of the steps it
+    redoes (logged past its checkpoint by a launch killed before it could save); lines that are not
+    a step's JSON are kept. Returns the step lines kept, parsed."""
     if not path.is_file():
-        return
-    def redone(line: str) -> bool:
+        return []
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    kept, rows = [], []
+    for line in lines:
         try:
-            return int(json.loads(line)["step"]) > step
+            row = json.loads(line)
+            redone = int(row["step"]) > step
         except (ValueError, TypeError, KeyError):
-            return False
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if not redone(line)]
+            kept.append(line)
+            continue
+        if not redone:
+            kept.append(line)
+            rows.append(row)
     if len(kept) != len(lines):
         path.write_text("".join(kept))
+    return rows
 
 
 class Metrics:
@@ -148,7 +155,7 @@ class Metrics:
             try:
                 Path(json_log).parent.mkdir(parents=True, exist_ok=True)
                 if resumed_at:
-                    _drop_lines_after(Path(json_log), resumed_at)
+                    _keep_steps_up_to(Path(json_log), resumed_at)
                 self._json = open(json_log, "a")
             except OSError as e:
                 self._close_tensorboard()
@@ -240,27 +247,16 @@ class Metrics:
 
     def _earlier_history(self) -> dict[str, list[tuple[int, float]]]:
         """The plotted values of steps up to ``resumed_at`` that an earlier launch kept in the history
-        file (none for a fresh run); the file is rewritten to hold just those, then appended to."""
+        file (none for a fresh run, whose file starts empty); the file is then appended to."""
         history: dict[str, list[tuple[int, float]]] = {k: [] for k in PLOTTED}
         path = self._plot_dir / HISTORY_NAME
-        rows = []
-        if self._resumed_at > 0 and path.is_file():
-            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-                try:
-                    row = json.loads(line)
-                    step = int(row["step"])
-                except (ValueError, KeyError, TypeError):
-                    logger.warning("%s:%d: not a history line; the plot leaves it out", path, n)
-                    continue
-                if step <= self._resumed_at:
-                    rows.append(row)
-                    for key in PLOTTED:
-                        if isinstance(row.get(key), (int, float)):
-                            history[key].append((step, float(row[key])))
+        rows = _keep_steps_up_to(path, self._resumed_at) if self._resumed_at > 0 else []
+        for row in rows:
+            for key in PLOTTED:
+                if isinstance(row.get(key), (int, float)):
+                    history[key].append((int(row["step"]), float(row[key])))
         try:
-            self._history_file = open(path, "w")
-            self._history_file.writelines(json.dumps(row) + "\n" for row in rows)
-            self._history_file.flush()
+            self._history_file = open(path, "a" if self._resumed_at > 0 else "w")
         except OSError as e:
             logger.warning("%s: %s; the plot draws this launch's steps only", path, e.strerror or e)
             self._history_file = None
