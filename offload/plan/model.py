@@ -75,7 +75,7 @@ def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_siz
     numels, trainable = layout or param_layout(cfg, lora_rank, lora_targets)
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
-                                       trainable=trainable, min_chunks=world)
+                                       trainable=trainable)
     packing = pack(numels, chunk_size, PARAM_ALIGN, trainable)
     return chunk_size, packing.sizes, packing.trainable
 
