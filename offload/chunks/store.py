@@ -77,7 +77,8 @@ class ChunkStore:
             if any(k in self.records for k in keys):
                 raise ConfigError("kind", kind, "is already registered")
             # Whole blocks for O_DIRECT: a chunk's 1/N piece need not end on one (tail unread).
-            sizes = [-(-n * dtype.itemsize // SLOT_ALIGN) * SLOT_ALIGN for n in numels.values()]
+            block = SLOT_ALIGN if "nvme" in self.tiers and nvme else 1
+            sizes = [-(-n * dtype.itemsize // block) * block for n in numels.values()]
             slots: list[NvmeSlot | None] = [None] * len(keys)
             if "nvme" in self.tiers and keys and nvme:
                 slots = self.tiers["nvme"].reserve_slots(kind, sizes)
