@@ -126,25 +126,45 @@ def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int
     return (largest + 2 * chunk_elements) * (elem_bytes + 4)
 
 
-# Data parallel: parameter groups gathered at once (the window of 3 plus 1 prefetched), and
-# gradient groups being reduced at once (see offload.distributed.gather / reduce).
-GATHERED_GROUPS = 4
-REDUCING_GROUPS = 2
+# Data parallel (sliced chunks): what the engine holds on the device beside one process's working
+# set, whatever the number of ranks N (offload.distributed.gather / reduce): a window of gathered
+# chunks (the 3 a module may use at once, as in one process, and 1 prefetched), and gradient
+# chunks whose reduce-scatter is in flight while backward fills the next ones.
+GATHERED_CHUNKS = 4
+REDUCING_CHUNKS = 2
+MAX_SLICED_WORLD = 1 << 16
+"""Ranks the sliced minimum covers: a whole chunk is padded to N pieces (< N elements), and the
+allowance for that padding is sized for up to this many."""
 
 
 def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_elements: int | None,
                              world: int, grad_bytes: int = 4) -> int:
-    """``min_device_bytes`` under ``world`` ranks: each chunk in use brings its communication
-    group (one chunk per rank), so the window of gathered parameter groups and the gradient
-    groups being reduced hold ``world`` chunks each."""
-    largest = max(largest_elements or 0, chunk_elements)
-    one = min_device_bytes(chunk_elements, elem_bytes, largest_elements)
+    """``min_device_bytes`` under ``world`` ranks, each holding a 1/world piece of every chunk.
+
+    A chunk in use is all-gathered whole into one buffer, and a complete gradient chunk is
+    reduce-scattered whole into this rank's piece, so what the device holds is counted in whole
+    chunks and does not depend on ``world``: ``GATHERED_CHUNKS`` gathered parameter chunks, the
+    3 gradient chunks one process fills at once, ``REDUCING_CHUNKS`` more being reduced (one of
+    each may be the oversized chunk), and this rank's pieces in flight — the parameter pieces the
+    gathers read and the gradient pieces the reductions write — counted at their largest (half a
+    chunk, at 2 ranks), and the padding of every whole buffer to ``world`` pieces at its largest
+    (``MAX_SLICED_WORLD``). So the value is the same at every ``world`` from 2 to
+    ``MAX_SLICED_WORLD``; one process (``world`` 1) gathers and reduces nothing:
+    ``min_device_bytes``. Bytes.
+    """
     if world <= 1:
-        return one
-    # One of the groups may be the oversized chunk's; the others hold bulk chunks.
-    gathered = (largest + (GATHERED_GROUPS - 1) * chunk_elements) * elem_bytes
-    reducing = (largest + (REDUCING_GROUPS - 1) * chunk_elements) * grad_bytes
-    return one + (world - 1) * (gathered + reducing)
+        return min_device_bytes(chunk_elements, elem_bytes, largest_elements)
+    if world > MAX_SLICED_WORLD:
+        raise ConfigError("world", world, f"is more than the {MAX_SLICED_WORLD} ranks the device minimum "
+                                          "allows for (the padding of each chunk to world pieces)")
+    largest = max(largest_elements or 0, chunk_elements)
+    gathered = (largest + (GATHERED_CHUNKS - 1) * chunk_elements) * elem_bytes
+    filling = (largest + 2 * chunk_elements) * grad_bytes
+    reducing = (largest + (REDUCING_CHUNKS - 1) * chunk_elements) * grad_bytes
+    pieces = (-(-largest // 2) + -(-chunk_elements // 2)) * (elem_bytes + grad_bytes)
+    buffers = GATHERED_CHUNKS + 3 + REDUCING_CHUNKS
+    padding = buffers * (MAX_SLICED_WORLD - 1) * max(elem_bytes, grad_bytes)
+    return gathered + filling + reducing + pieces + padding
 
 
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:
