@@ -132,9 +132,6 @@ def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int
 # chunks whose reduce-scatter is in flight while backward fills the next ones.
 GATHERED_CHUNKS = 4
 REDUCING_CHUNKS = 2
-MAX_SLICED_WORLD = 1 << 16
-"""Ranks the sliced minimum covers: a whole chunk is padded to N pieces (< N elements), and the
-allowance for that padding is sized for up to this many."""
 
 
 def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_elements: int | None,
@@ -142,29 +139,39 @@ def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_eleme
     """``min_device_bytes`` under ``world`` ranks, each holding a 1/world piece of every chunk.
 
     A chunk in use is all-gathered whole into one buffer, and a complete gradient chunk is
-    reduce-scattered whole into this rank's piece, so what the device holds is counted in whole
-    chunks and does not depend on ``world``: ``GATHERED_CHUNKS`` gathered parameter chunks, the
-    3 gradient chunks one process fills at once, ``REDUCING_CHUNKS`` more being reduced (one of
-    each may be the oversized chunk), and this rank's pieces in flight — the parameter pieces the
-    gathers read and the gradient pieces the reductions write — counted at their largest (half a
-    chunk, at 2 ranks), and the padding of every whole buffer to ``world`` pieces at its largest
-    (``MAX_SLICED_WORLD``). So the value is the same at every ``world`` from 2 to
-    ``MAX_SLICED_WORLD``; one process (``world`` 1) gathers and reduces nothing:
-    ``min_device_bytes``. Bytes.
+    reduce-scattered whole into this rank's piece, so the device holds whole chunks however many
+    ranks there are: ``GATHERED_CHUNKS`` gathered parameter chunks, the 3 gradient chunks one
+    process fills at once and ``REDUCING_CHUNKS`` more being reduced (one of each may be the
+    oversized chunk), and this rank's pieces in flight — the parameter pieces two gathers read and
+    the gradient pieces two reductions write — counted at their largest (half a chunk, at 2
+    ranks). That figure does not depend on ``world``. Each whole buffer is also padded to
+    ``world`` pieces (< ``world`` elements); for chunks of an even size and
+    ``world <= chunk_elements // 16`` the pieces' allowance covers it (pieces shrink faster than
+    the padding grows), and beyond that the larger count at ``world`` is returned. One process
+    (``world`` 1) gathers and reduces nothing: ``min_device_bytes``. Bytes.
     """
     if world <= 1:
         return min_device_bytes(chunk_elements, elem_bytes, largest_elements)
-    if world > MAX_SLICED_WORLD:
-        raise ConfigError("world", world, f"is more than the {MAX_SLICED_WORLD} ranks the device minimum "
-                                          "allows for (the padding of each chunk to world pieces)")
     largest = max(largest_elements or 0, chunk_elements)
-    gathered = (largest + (GATHERED_CHUNKS - 1) * chunk_elements) * elem_bytes
-    filling = (largest + 2 * chunk_elements) * grad_bytes
-    reducing = (largest + (REDUCING_CHUNKS - 1) * chunk_elements) * grad_bytes
-    pieces = (-(-largest // 2) + -(-chunk_elements // 2)) * (elem_bytes + grad_bytes)
-    buffers = GATHERED_CHUNKS + 3 + REDUCING_CHUNKS
-    padding = buffers * (MAX_SLICED_WORLD - 1) * max(elem_bytes, grad_bytes)
-    return gathered + filling + reducing + pieces + padding
+    at_two = _sliced_working_set(chunk_elements, largest, elem_bytes, grad_bytes, pieces_of=2, padded_to=1)
+    return max(at_two, _sliced_working_set(chunk_elements, largest, elem_bytes, grad_bytes,
+                                           pieces_of=world, padded_to=world))
+
+
+def _sliced_working_set(chunk: int, largest: int, elem_bytes: int, grad_bytes: int, *, pieces_of: int,
+                        padded_to: int) -> int:
+    """Bytes the device holds under sliced data parallelism: whole buffers padded to a multiple of
+    ``padded_to`` elements, and pieces of 1/``pieces_of`` of a chunk."""
+    def whole(n: int) -> int:
+        return -(-n // padded_to) * padded_to
+
+    def piece(n: int) -> int:
+        return -(-n // pieces_of)
+    gathered = (whole(largest) + (GATHERED_CHUNKS - 1) * whole(chunk)) * elem_bytes
+    filling = (whole(largest) + 2 * whole(chunk)) * grad_bytes
+    reducing = (whole(largest) + (REDUCING_CHUNKS - 1) * whole(chunk)) * grad_bytes
+    pieces = (piece(largest) + piece(chunk)) * (elem_bytes + grad_bytes)
+    return gathered + filling + reducing + pieces
 
 
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:

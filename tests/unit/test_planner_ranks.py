@@ -17,8 +17,7 @@ from offload.plan import Hardware, Policy, plan
 from offload.plan import cli as plan_cli
 from offload.plan.inputs import rank_share
 from offload.plan.model import piece_elements
-from offload.tiers.budgets import (GATHERED_CHUNKS, MAX_SLICED_WORLD, REDUCING_CHUNKS, min_device_bytes,
-                                   min_device_bytes_sharded)
+from offload.tiers.budgets import GATHERED_CHUNKS, REDUCING_CHUNKS, min_device_bytes, min_device_bytes_sharded
 
 BOX = dict(gpu_mem=80 << 30, cpu_mem=1 << 40, nvme_capacity=32 << 40, nvme_read_gbps=25.0,
            nvme_write_gbps=25.0, pcie_gbps=25.0, compute_tflops=400.0, adam_params_per_s=4e9,
@@ -123,33 +122,33 @@ def test_the_device_minimum_is_the_same_at_any_number_of_ranks():
     assert plan("70b", hw, dataclasses.replace(policy, device_budget=mins[32])).fits
 
 
-@settings(max_examples=200, deadline=None)
-@given(chunk=st.integers(1, 1 << 16).map(lambda q: q * 2048), extra=st.integers(0, 1 << 30),
-       elem_bytes=st.sampled_from([2, 4]), world=st.integers(2, MAX_SLICED_WORLD))
+@settings(max_examples=300, deadline=None)
+@given(chunk=st.integers(1, 1 << 14).map(lambda q: q * 2048), extra=st.integers(0, 1 << 20).map(lambda q: q * 2048),
+       elem_bytes=st.sampled_from([2, 4]), data=st.data())
 def test_the_sliced_minimum_is_one_figure_that_holds_the_working_set_at_every_world(chunk, extra, elem_bytes,
-                                                                                    world):
+                                                                                    data):
+    """For chunks as the layout makes them (multiples of 2048 elements) the minimum is the same at
+    every world up to chunk / 16 ranks, and at every world it holds what the engine keeps there."""
     largest = chunk + extra
+    world = data.draw(st.one_of(st.integers(2, max(2, chunk // 16)), st.integers(2, 1 << 17)))
+    need = min_device_bytes_sharded(chunk, elem_bytes, largest, world)
 
     def padded(n: int) -> int:
         return world * piece_elements(n, world)
-    need = min_device_bytes_sharded(chunk, elem_bytes, largest, world)
-    assert need == min_device_bytes_sharded(chunk, elem_bytes, largest, 2)
-    # what the engine holds at this world: whole chunks padded to world pieces — gathered
-    # parameters, gradients being filled and being reduced, one of each the oversized chunk —
-    # and its pieces in flight (two gathers' inputs, two reductions' outputs)
+    # at this world: whole chunks padded to world pieces (gathered parameters, gradients being
+    # filled and being reduced, one of each the oversized chunk) and the pieces in flight (two
+    # gathers' inputs, two reductions' outputs)
     gathered = (padded(largest) + (GATHERED_CHUNKS - 1) * padded(chunk)) * elem_bytes
     filling = (padded(largest) + 2 * padded(chunk)) * 4
     reducing = (padded(largest) + (REDUCING_CHUNKS - 1) * padded(chunk)) * 4
     pieces = (piece_elements(largest, world) + piece_elements(chunk, world)) * (elem_bytes + 4)
     assert gathered + filling + reducing + pieces <= need
-    # one process gathers and reduces nothing; the difference is that, not N
+    if world <= chunk // 16:
+        assert need == min_device_bytes_sharded(chunk, elem_bytes, largest, 2)
+    # one process gathers and reduces nothing; what the ranks add is a bounded multiple, not N
     assert min_device_bytes_sharded(chunk, elem_bytes, largest, 1) == min_device_bytes(chunk, elem_bytes, largest)
-    assert need < 2.5 * min_device_bytes(chunk, elem_bytes, largest) + (3 << 20)
-
-
-def test_a_world_past_the_padding_allowance_is_a_config_error():
-    with pytest.raises(ConfigError, match=f"world.*{MAX_SLICED_WORLD} ranks"):
-        min_device_bytes_sharded(2048, 2, None, MAX_SLICED_WORLD + 1)
+    assert min_device_bytes_sharded(chunk, elem_bytes, largest, 2) < 2.5 * min_device_bytes(chunk, elem_bytes,
+                                                                                            largest)
 
 
 @settings(max_examples=12, deadline=None)
