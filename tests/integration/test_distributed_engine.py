@@ -93,20 +93,27 @@ def test_a_model_of_one_chunk_is_sliced_over_the_ranks_and_trains_like_one_proce
     assert out[0]["spans"][0][1] == out[1]["spans"][0][0]      # the pieces tile the chunk
 
 
-def test_gradient_accumulation_reduces_on_the_last_micro_batch_only(tmp_path):
-    """Three tiers (a CPU region standing in for the GPU, CPU, NVMe): borrowed chunks land in
-    the device tier; accumulated fp32 gradients of every chunk stay each rank's own until the
-    last micro-batch."""
+def test_gradient_accumulation_adds_each_micro_batchs_reduced_piece(tmp_path):
+    """Three tiers (a CPU region standing in for the GPU, CPU, NVMe): gathered chunks land in
+    the device tier; each micro-batch's gradients are reduce-scattered and added into the fp32
+    pieces, so a rank's NVMe holds only its pieces, never the whole model's gradients."""
     want = Reference(6, accumulate=3)
     out = run(tmp_path, 2, 6, accumulate=3,
               config=config(tmp_path, gradient_accumulation_steps=3, merge_host_tiers=False))
     want.check(out, 0)
+    coll = out[0]["stats"][-1]["collectives"]["by_op"]
+    (tmp_path / "one").mkdir()
+    single = run(tmp_path / "one", 1, 1, accumulate=3,
+                 config=config(tmp_path / "one", gradient_accumulation_steps=3, merge_host_tiers=False))
+    # Half of one process's slots (these pieces end on whole 4 KiB blocks); whole fp32 gradients
+    # kept over the window would add half as much again.
+    assert out[0]["nvme_reserved"] == out[1]["nvme_reserved"] <= 0.55 * single[0]["nvme_reserved"], coll
 
 
 def test_accumulating_more_micro_batches_than_configured_is_refused_not_summed_wrongly(tmp_path):
     """Two micro-batches a step under gradient_accumulation_steps=1 (what an HF Trainer with
-    accumulation did): the first backward reduces every gradient to its owner, so the second
-    would add to the wrong sums. With clipping the update waits for step(), so nothing else stops
+    accumulation did): the first backward ends the window (its updates may already run), so the
+    second would add to gradients already consumed. With clipping the update waits for step(), so nothing else stops
     it: the second forward is refused on every rank, naming the setting (issue 26, point 11)."""
     results = launch(WORKER, {"steps": 2, "out": str(tmp_path / "r"), "config": config(tmp_path),
                               "accumulate": 2, "clip": 1.0}, 2, tmp_path, timeout_s=120)
