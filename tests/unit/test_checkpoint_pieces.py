@@ -1,7 +1,8 @@
 """Resharding a checkpoint is arithmetic on element ranges: the pieces N ranks save tile each
 chunk, and the copies that fill a span of M ranks take every element of it exactly once from
 the piece that holds it -- for any N, M and chunk size. Also: every manifest version reads as
-pieces, and the per-file size check counts pieces."""
+pieces, the per-file size check counts pieces, and the manifest's entries are put together from
+what each rank wrote."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload.checkpoint.entries import Written, merge, saved_bytes
 from offload.checkpoint.format import chunk_numel, chunk_pieces, check_kind_file_size, kind_files
 from offload.checkpoint.pieces import Piece, clip, copies, tiling_error
 from offload.errors import ChecksumError, OffloadError
@@ -168,3 +170,57 @@ def test_a_rank_whose_spans_are_all_padding_has_an_empty_file(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"\0" * (8 if r < 3 else 0))
     check_kind_file_size(tmp_path, "param", info)
+
+
+# ---- the manifest's entries from what each rank wrote ---------------------------------------------
+def rank_pieces(numels, world, rank, *, empty=()) -> dict:
+    """What rank ``rank`` of ``world`` reports having written of one ``param`` kind (float32)."""
+    out, offset = {}, 0
+    for c, numel in enumerate(numels):
+        lo, hi = clip(even_span(numel, world, rank), numel)
+        if lo == hi:
+            continue                              # all padding: nothing written, nothing said
+        if c in empty:
+            out[c] = None
+            continue
+        out[c] = Written(lo=lo, hi=hi, offset=offset, nbytes=4 * (hi - lo), crc=100 * rank + c)
+        offset += 4 * (hi - lo)
+    return {"param": out}
+
+
+def test_one_process_writes_version_1_entries_of_whole_chunks():
+    kinds = merge({"param": torch.float32}, [8, 8, 3], 8, "crc32c", [rank_pieces([8, 8, 3], 1, 0, empty={1})])
+    assert kinds == {"param": {"file": "param.bin", "dtype": "float32", "chunk_bytes": 32, "chunks": [
+        {"offset": 0, "crc32c": 0}, None, {"offset": 32, "crc32c": 2, "nbytes": 12}]}}
+    assert saved_bytes(kinds) == 44
+
+
+def test_ranks_write_version_3_pieces_that_tile_each_chunk():
+    numels = [10, 2]                               # chunk 1: rank 2's span [2, 3) lies wholly in the padding
+    kinds = merge({"param": torch.float32}, numels, 8, "crc32c", [rank_pieces(numels, 3, r) for r in range(3)])
+    info = kinds["param"]
+    assert info["files"] == ["rank-00000/param.bin", "rank-00001/param.bin", "rank-00002/param.bin"]
+    assert info["chunks"][0] == {"numel": 10, "pieces": [
+        {"rank": 0, "lo": 0, "hi": 4, "file": "rank-00000/param.bin", "offset": 0, "nbytes": 16, "crc": 0},
+        {"rank": 1, "lo": 4, "hi": 8, "file": "rank-00001/param.bin", "offset": 0, "nbytes": 16, "crc": 100},
+        {"rank": 2, "lo": 8, "hi": 10, "file": "rank-00002/param.bin", "offset": 0, "nbytes": 8, "crc": 200}]}
+    assert [(p["rank"], p["lo"], p["hi"]) for p in info["chunks"][1]["pieces"]] == [(0, 0, 1), (1, 1, 2)]
+    assert saved_bytes(kinds) == 48
+    for c, numel in enumerate(numels):
+        assert chunk_numel(info, info["chunks"][c]) == numel
+        assert tiling_error([(p.lo, p.hi) for p in chunk_pieces(info, info["chunks"][c])], numel) is None
+
+
+def test_a_chunk_that_holds_nothing_on_every_rank_is_null_and_on_some_only_an_error():
+    numels = [10, 10]
+    shards = [rank_pieces(numels, 2, r, empty={1}) for r in range(2)]
+    assert merge({"param": torch.float32}, numels, 8, "crc32c", shards)["param"]["chunks"][1] is None
+    shards[1] = rank_pieces(numels, 2, 1)
+    with pytest.raises(OffloadError, match=r"chunk param\[1\] holds nothing on rank 0 but values on rank 1"):
+        merge({"param": torch.float32}, numels, 8, "crc32c", shards)
+
+
+def test_ranks_that_disagree_on_the_spans_save_nothing():
+    shards = [rank_pieces([10], 2, 0), rank_pieces([10], 3, 1)]        # [0, 5) and [4, 8)
+    with pytest.raises(OffloadError, match=r"pieces of chunk param\[0\] \(10 elements\).*overlap at elements \[4, 5\)"):
+        merge({"param": torch.float32}, [10], 8, "crc32c", shards)
