@@ -103,7 +103,7 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
                                             "model's (a different chunk layout or set of frozen parameters)")
         pieces = chunk_pieces(info, entry)
         for p in pieces:
-            if not 0 <= p.rank < world or p.file not in files or p.nbytes != p.numel * dtype.itemsize:
+            if not 0 <= p.rank < world or (p.stored and (p.file not in files or p.nbytes != p.numel * dtype.itemsize)):
                 raise OffloadError(f"{ckpt / MANIFEST}: chunk {kind}[{c}] has a piece of rank {p.rank} of {world} "
                                    f"in {p.file}, {p.nbytes} bytes for elements [{p.lo}, {p.hi})")
         spans = [(p.lo, p.hi) for p in pieces]
@@ -111,6 +111,7 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
         if why is not None:
             raise OffloadError(f"{ckpt / MANIFEST}: the pieces of chunk {kind}[{c}] do not tile its {numel} "
                                f"elements: {why}")
-        mine.update(pieces[cp.piece].file for cp in copies(spans, clip(tuple(model[c].span), numel)))
+        mine.update(pieces[cp.piece].file for cp in copies(spans, clip(tuple(model[c].span), numel))
+                    if pieces[cp.piece].stored)
     # Each file is checked by a rank that reads from it, and by one rank in any case (an empty one too).
     check_kind_file_size(ckpt, kind, info, [f for i, f in enumerate(files) if f in mine or i % ranks.world == ranks.rank])

@@ -9,7 +9,8 @@ The manifest's ``kinds`` say where each chunk of each kind is. Three versions, a
 * 3 -- sliced ranks: ``{"files", "dtype", "chunks": [{"numel", "pieces": [piece]} | null]}``, a piece
   ``{"rank", "lo", "hi", "file", "offset", "nbytes", "crc"}``: elements ``[lo, hi)`` of the chunk
   (``hi`` cut at ``numel``), ``nbytes`` at ``offset`` of ``file``, its checksum under the manifest's
-  ``"checksum"`` algorithm. The pieces of a chunk tile ``[0, numel)``.
+  ``"checksum"`` algorithm; or ``{"rank", "lo", "hi", "zeros": true}``: Adam moments its rank never
+  initialized while others did, nothing stored (``pieces``). The pieces of a chunk tile ``[0, numel)``.
 
 ``chunk_pieces`` reads any of them as ``pieces.Piece`` lists (a whole chunk is one piece
 ``[0, numel)``), so loading and verifying treat the three alike.
@@ -171,7 +172,9 @@ def chunk_pieces(info: dict, entry: dict, algorithm: str | None = None) -> list[
     whole chunk (versions 1, 2) is one piece ``[0, numel)``. ``algorithm``: the manifest's
     ``"checksum"``, for the pieces' ``crc`` (None: sizes only)."""
     if "pieces" in entry:
-        return [Piece(rank=int(p["rank"]), lo=int(p["lo"]), hi=int(p["hi"]), file=str(p["file"]),
+        return [Piece(rank=int(p["rank"]), lo=int(p["lo"]), hi=int(p["hi"]), file=None, offset=0, nbytes=0, crc=None)
+                if p.get("zeros") is True else
+                Piece(rank=int(p["rank"]), lo=int(p["lo"]), hi=int(p["hi"]), file=str(p["file"]),
                       offset=int(p["offset"]), nbytes=int(p["nbytes"]),
                       crc=None if algorithm is None else int(p["crc"])) for p in entry["pieces"]]
     return [Piece(rank=entry_rank(entry), lo=0, hi=chunk_numel(info, entry), file=entry_file(info, entry),
@@ -186,6 +189,8 @@ def check_kind_file_size(ckpt: Path, kind: str, info: dict, files: list[str] | N
     for e in info["chunks"]:
         if e is not None:
             for piece in chunk_pieces(info, e):
+                if not piece.stored:
+                    continue
                 if piece.file not in expected:
                     raise OffloadError(f"{ckpt / MANIFEST}: a piece of {kind} is in {piece.file}, not one of "
                                        f"the kind's files {sorted(expected)}")

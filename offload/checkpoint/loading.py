@@ -211,7 +211,8 @@ class _Fill(NamedTuple):
     def edge_bytes(self) -> int:
         """Bytes of the largest piece that lies across the span's edge (read into scratch first)."""
         spans = [(p.lo, p.hi) for p in self.pieces]
-        return max((self.pieces[cp.piece].nbytes for cp in self.copies if not cp.whole(spans)), default=0)
+        return max((self.pieces[cp.piece].nbytes for cp in self.copies if not cp.whole(spans)
+                    and self.pieces[cp.piece].stored), default=0)
 
 
 def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:

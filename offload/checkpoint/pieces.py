@@ -3,7 +3,10 @@ arithmetic on element ranges, no files and no tensors.
 
 A chunk of ``numel`` elements saved by N ranks is stored as the pieces of those ranks: rank r's
 is elements ``[lo, hi)`` of the chunk, its span cut at ``numel`` (the padding past ``numel`` is
-zeros and is not stored, so a span wholly past it stores nothing). A checkpoint of one process
+zeros and is not stored, so a span wholly past it stores nothing). A piece of Adam moments that
+its rank never initialized (no parameter of the piece had a gradient yet, or it is all padding)
+while other ranks did is a *zeros* piece: nothing stored, zeros when loaded -- what torch
+initializes moments to. A checkpoint of one process
 (format version 1) or of round-robin ranks (version 2) stores each chunk whole: one piece
 ``[0, numel)``. Loading at M ranks, rank r' fills its span ``[lo', hi')`` from every saved piece
 that overlaps it (``copies``); the part of its span past ``numel`` stays zero. So resharding
@@ -30,8 +33,8 @@ class Piece:
     """its first element in the chunk."""
     hi: int
     """one past its last element in the chunk (never past the chunk's ``numel``)."""
-    file: str
-    """its file, relative to the checkpoint directory."""
+    file: str | None
+    """its file, relative to the checkpoint directory; None for a zeros piece (nothing stored)."""
     offset: int
     """bytes from the start of ``file``."""
     nbytes: int
@@ -42,6 +45,11 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def stored(self) -> bool:
+        """It has bytes in a file (else it is a zeros piece)."""
+        return self.file is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,11 +86,14 @@ def fill_span(files: OpenFiles, kind: str, c: int, pieces: Sequence[Piece], copi
     first ``stored`` of them inside the chunk) from the saved ``pieces`` by ``copies``
     (``pieces.copies``): a piece that lies wholly in the span is read straight into place, one
     that lies across its edge into ``scratch`` first; every piece is read whole and verified.
-    The span's padding past the chunk's end is zeroed. Returns ``out``."""
+    The span's padding past the chunk's end and its part of a zeros piece are zeroed. Returns ``out``."""
     out[stored * itemsize:].zero_()
     spans = [(p.lo, p.hi) for p in pieces]
     for cp in copies:
         piece = pieces[cp.piece]
+        if not piece.stored:
+            out[cp.dst * itemsize:(cp.dst + cp.numel) * itemsize].zero_()
+            continue
         path = files.ckpt / piece.file
         whole_chunk = len(pieces) == 1
         if cp.whole(spans):

@@ -26,7 +26,7 @@ from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from ..tiers.nvme import SLOT_ALIGN
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
-from .entries import RankPieces, Written, merge, saved_bytes
+from .entries import Empty, RankPieces, Written, merge, saved_bytes
 from .format import (FORMAT, LATEST, MANIFEST, SLICED_VERSION, VERSION, checksum,
                      checksum_algorithm, checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
@@ -189,13 +189,13 @@ def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
 
     def consume(i, result):
         kind, info = items[i]
-        if result is None:
-            written[kind][info.index] = None     # it holds nothing (Adam moments before the first step)
+        lo, hi = _stored(info)
+        if result is None:      # it holds nothing (Adam moments before this piece's first update)
+            written[kind][info.index] = Empty(lo=lo, hi=hi)
             return
         data, crc = result
         if data.dtype != kinds[kind]:
             raise OffloadError(f"chunk {kind}[{info.index}] holds {data.dtype}, a checkpoint expects {kinds[kind]}")
-        lo, hi = _stored(info)
         written[kind][info.index] = Written(lo=lo, hi=hi, offset=writers[kind].append(data),
                                             nbytes=data.numel() * data.element_size(), crc=crc)
 

@@ -77,13 +77,14 @@ def _verify_kind(ckpt: Path, kind: str, info: dict, algorithm: str, verdict: Ver
     for c, entry in entries:
         pieces = chunk_pieces(info, entry, algorithm)
         why = tiling_error([(p.lo, p.hi) for p in pieces], chunk_numel(info, entry))
-        sizes = [p for p in pieces if p.nbytes != p.numel * itemsize]
+        sizes = [p for p in pieces if p.stored and p.nbytes != p.numel * itemsize]
         if why is not None or sizes:
             verdict.problems.append(f"manifest: chunk {kind}[{c}]: " + (why or f"{sizes[0].nbytes} bytes for elements "
                                                                                f"[{sizes[0].lo}, {sizes[0].hi})"))
             bad.add(c)
         for p in pieces:
-            by_file.setdefault(p.file, []).append((c, p, len(pieces) == 1))
+            if p.stored:
+                by_file.setdefault(p.file, []).append((c, p, len(pieces) == 1))
     for name, stored in by_file.items():
         try:
             check_kind_file_size(ckpt, kind, info, [name])

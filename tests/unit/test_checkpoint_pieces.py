@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.checkpoint.entries import Written, merge, saved_bytes
+from offload.checkpoint.entries import Empty, Written, merge, saved_bytes
 from offload.checkpoint.format import chunk_numel, chunk_pieces, check_kind_file_size, kind_files
 from offload.checkpoint.pieces import Piece, clip, copies, tiling_error
 from offload.errors import ChecksumError, OffloadError
@@ -181,7 +181,7 @@ def rank_pieces(numels, world, rank, *, empty=()) -> dict:
         if lo == hi:
             continue                              # all padding: nothing written, nothing said
         if c in empty:
-            out[c] = None
+            out[c] = Empty(lo=lo, hi=hi)
             continue
         out[c] = Written(lo=lo, hi=hi, offset=offset, nbytes=4 * (hi - lo), crc=100 * rank + c)
         offset += 4 * (hi - lo)
@@ -211,13 +211,22 @@ def test_ranks_write_version_3_pieces_that_tile_each_chunk():
         assert tiling_error([(p.lo, p.hi) for p in chunk_pieces(info, info["chunks"][c])], numel) is None
 
 
-def test_a_chunk_that_holds_nothing_on_every_rank_is_null_and_on_some_only_an_error():
+def test_a_chunk_that_holds_nothing_on_every_rank_is_null_and_on_some_a_zeros_piece(tmp_path):
     numels = [10, 10]
     shards = [rank_pieces(numels, 2, r, empty={1}) for r in range(2)]
-    assert merge({"param": torch.float32}, numels, 8, "crc32c", shards)["param"]["chunks"][1] is None
+    assert merge({"exp_avg": torch.float32}, numels, 8, "crc32c",
+                 [{"exp_avg": s["param"]} for s in shards])["exp_avg"]["chunks"][1] is None
+    # Rank 0's Adam never ran on its piece (no parameter there had a gradient yet), rank 1's did.
     shards[1] = rank_pieces(numels, 2, 1)
-    with pytest.raises(OffloadError, match=r"chunk param\[1\] holds nothing on rank 0 but values on rank 1"):
-        merge({"param": torch.float32}, numels, 8, "crc32c", shards)
+    info = merge({"exp_avg": torch.float32}, numels, 8, "crc32c", [{"exp_avg": s["param"]} for s in shards])["exp_avg"]
+    assert info["chunks"][1]["pieces"][0] == {"rank": 0, "lo": 0, "hi": 5, "zeros": True}
+    got = chunk_pieces(info, info["chunks"][1], "crc32c")
+    assert [(p.lo, p.hi, p.stored, p.nbytes) for p in got] == [(0, 5, False, 0), (5, 10, True, 20)]
+    for r, size in enumerate((20, 40)):          # rank 0 stored chunk 0 only, rank 1 both
+        (tmp_path / f"rank-0000{r}").mkdir()
+        (tmp_path / f"rank-0000{r}" / "exp_avg.bin").write_bytes(b"\0" * size)
+    check_kind_file_size(tmp_path, "exp_avg", info)
+    assert saved_bytes({"exp_avg": info}) == 60
 
 
 def test_ranks_that_disagree_on_the_spans_save_nothing():
