@@ -21,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -33,6 +35,7 @@ import torch
 import offload
 import offload.checkpoint
 import offload.checkpoint.format
+from tests.helpers.old_checkpoints import rewrite
 from tests.helpers.processes import python_env
 from tests.helpers.ranks import launch
 
@@ -233,23 +236,27 @@ def assert_params_equal(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def assert_resumes(results: list[dict], reference: list[dict]) -> None:
+    """The resumed run loaded step K and took the steps the saving run took after it."""
+    assert all(r["at"] == K and not r["skipped"] for r in results)
+    torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
+    for r in results:
+        assert_params_equal(r["params"], reference[0]["params"])
+
+
 # ---- tests ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_by():
     """``saved_by(n)``: an n-rank run (one process for 1) of K+M steps that saved after K: (its
     directory, its results); each run once per module. On a real disk under the repository
     (O_DIRECT does not work on tmpfs)."""
-    import shutil
-    import tempfile
-
     base = Path(__file__).resolve().parents[2] / ".pytest-tmp"
     base.mkdir(exist_ok=True)
     runs: dict[int, tuple[Path, list[dict]]] = {}
 
     def get(world: int) -> tuple[Path, list[dict]]:
         if world not in runs:
-            tmp = Path(tempfile.mkdtemp(dir=base))
-            runs[world] = (tmp, ok(run("train_and_save", tmp, world)))
+            runs[world] = (tmp := Path(tempfile.mkdtemp(dir=base)), ok(run("train_and_save", tmp, world)))
         return runs[world]
 
     try:
@@ -282,8 +289,7 @@ def test_ranks_save_their_pieces_of_every_chunk(saved_by, world):
         for c, entry in enumerate(info["chunks"]):
             assert entry is not None, (kind, c)
             numel, p = entry["numel"], -(-entry["numel"] // world)
-            # Rank r's piece is its span [r*p, r*p + p) cut at the chunk's end, in its own file --
-            # or nothing, for moments its Adam never initialized (a piece of padding only).
+            # Rank r's span [r*p, r*p + p) cut at the chunk's end: in its file, or zeros (moments never updated).
             want = [(r, r * p, min(r * p + p, numel)) for r in range(world) if r * p < numel]
             assert [(e["rank"], e["lo"], e["hi"]) for e in entry["pieces"]] == want, (kind, c)
             for e in entry["pieces"]:
@@ -305,27 +311,16 @@ def test_ranks_save_their_pieces_of_every_chunk(saved_by, world):
 def test_resume_at_any_world_size_continues_the_run_that_saved(saved_by, saver, world):
     tmp, reference = saved_by(saver)
     results = ok(run("resume", tmp, world))
-    assert all(r["at"] == K and not r["skipped"] for r in results)
     assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe after loading"
-    torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
-    for r in results:
-        assert_params_equal(r["params"], reference[0]["params"])
+    assert_resumes(results, reference)
 
 
 def test_a_round_robin_checkpoint_of_the_former_scheme_resumes_at_three_ranks(saved_by, disk_tmp):
-    import shutil
-
-    from tests.helpers.old_checkpoints import rewrite
-
     src, reference = saved_by(1)
     shutil.copytree(src / "ckpt", disk_tmp / "ckpt")
     rewrite(disk_tmp / "ckpt" / f"step-{K:08d}", 2, offload.checkpoint.format.SHARDED_VERSION)
     assert offload.checkpoint.format.read_manifest(disk_tmp / "ckpt" / f"step-{K:08d}")["version"] == 2
-    results = ok(run("resume", disk_tmp, 3))
-    assert all(r["at"] == K and not r["skipped"] for r in results)
-    torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
-    for r in results:
-        assert_params_equal(r["params"], reference[0]["params"])
+    assert_resumes(ok(run("resume", disk_tmp, 3)), reference)
 
 
 @pytest.mark.parametrize("evaluate", [False, True])
