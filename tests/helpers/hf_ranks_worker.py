@@ -9,8 +9,7 @@ single-process runs): spec {"loop": "trainer" | "accelerate", "steps", "global_b
 ``global_batch`` rows a micro-batch, in order: one process all of them, each of N ranks its 1/N
 slice (the loops' own data sharding). Returns this rank's per-micro-batch losses (of its
 slice), the clip's gradient norms, the final state dict (every rank: the collective
-``state_dict``), the elements of this rank's pieces of all chunks (and of the chunks whole) and
-the bytes its NVMe tier holds.
+``state_dict``), how many chunks the rank keeps and the bytes its NVMe tier holds.
 """
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ def main(spec: dict) -> dict:
               "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     if engine is not None:
         nvme = engine.store.memory_report()["tiers"].get("nvme", {})
-        infos = engine.chunks.chunks()
-        result.update(piece=sum(i.piece_numel for i in infos), numel=sum(i.numel for i in infos), chunks=len(infos),
+        result.update(kept=len(engine.chunks.chunks(kept_only=True)), chunks=engine.chunks.layout.num_chunks,
                       nvme_bytes=sum(nvme.get("bytes_by_kind", {}).values()))
         engine.close()
     return result
