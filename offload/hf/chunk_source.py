@@ -36,6 +36,7 @@ class ChunkSource:
         self.staging = chunks.staging(piece)[0]
         self.whole = torch.empty(self.ranks.world * piece, dtype=torch.uint8) \
             if self.ranks.sharded and self.ranks.lead else None
+        self.stopped = False        # every rank raised at the same agreement: no collective follows
 
     def kind(self, c: int) -> str:
         return self.source if self.source in self.info[c].kinds else "param"
@@ -65,8 +66,9 @@ class ChunkSource:
         self.finish()
 
     def fail(self, error: BaseException) -> None:
-        """Rank 0 failed outside ``read`` (writing a file): stop every rank, raise ``error``."""
-        if self.ranks.sharded:
+        """Rank 0 failed outside ``read`` (writing a file): stop every rank, raise ``error``.
+        (An error that ``read`` raised on every rank together has stopped them already.)"""
+        if self.ranks.sharded and not self.stopped:
             self._agree(error, "writing the export")
         raise error
 
@@ -93,6 +95,7 @@ class ChunkSource:
         dist.all_gather(flags, mine, group=self.ranks.group)
         if not any(int(f.item()) for f in flags):
             return
+        self.stopped = True
         reports = self.ranks.gather(None if error is None else report(error))
         if error is not None:
             raise error

@@ -304,12 +304,9 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
             # Under several ranks each fills its own piece of every chunk (``info.span``), reading
             # only the rows of the tensors that reach into it.
             parts = [(source, overlap(slot, info.span)) for slot, source in chunked[c]]
-            if all(part is None for _, part in parts):
-                for source, _ in parts:
-                    source.skip()
-                continue
             # A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``)
-            # is read first; padding stays zero (``chunk_fill.chunk_values``).
+            # is read first; padding stays zero (``chunk_fill.chunk_values``). A piece that none
+            # of the tensors reaches (padding at a chunk's end) is written too: it must hold data.
             master = chunk_values(chunks, info, {slot.name for slot, _ in chunked[c]}, staging)
             for source, part in parts:
                 if part is None:

@@ -204,8 +204,7 @@ def _load_chunk(chunks, info, members: list, rows, staging: dict) -> None:
     (``(slot, tensor name, file)``), reading only the rows that reach into it, and write its param
     (+ master) state once."""
     parts = [(slot, name, file, overlap(slot, info.span)) for slot, name, file in members]
-    if all(part is None for *_, part in parts):
-        return              # every tensor of it lies in other ranks' pieces
+    # A piece that none of the tensors reaches (padding at a chunk's end) is written too.
     master = chunk_values(chunks, info, {slot.name for slot, _, _ in members}, staging)
     for slot, name, file, part in parts:
         if part is not None:
