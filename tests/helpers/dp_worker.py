@@ -118,7 +118,8 @@ def main(spec: dict) -> None:
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
                 "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else [],
                 "device": str(engine.device),
-                "chunks": engine.chunks.layout.num_chunks, "kept": len(engine.chunks.chunks(kept_only=True)),
+                "chunks": engine.chunks.layout.num_chunks, "kept": sum(i.piece_numel for i in engine.chunks.chunks()),
+                "spans": [i.span for i in engine.chunks.chunks()],
                 "current_device": torch.cuda.current_device() if engine.device.type == "cuda" else None,
                 "warnings": [str(w.message) for w in caught]},
                f"{spec['out']}.rank{rank}.pt")
