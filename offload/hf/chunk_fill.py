@@ -17,6 +17,7 @@ import torch
 from ..chunks.access import ChunkAccess, ChunkInfo
 from ..chunks.layout import ParamSlot
 from ..errors import StateError
+from ..tiers.nvme import SLOT_ALIGN
 
 
 def overlap(slot: ParamSlot, span: tuple[int, int]) -> tuple[int, int, int] | None:
@@ -26,6 +27,13 @@ def overlap(slot: ParamSlot, span: tuple[int, int]) -> tuple[int, int, int] | No
     if a >= b:
         return None
     return a - slot.offset, b - slot.offset, a - span[0]
+
+
+def piece_staging(chunks: ChunkAccess, nbytes: int) -> torch.Tensor:
+    """A ``chunks.staging`` buffer to ``read`` pieces of up to ``nbytes`` bytes into, rounded up to
+    whole NVMe blocks: a piece read straight from NVMe fills its whole slot, and a 1/N piece need
+    not end on a block."""
+    return chunks.staging(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)[0]
 
 
 def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], staging: dict) -> torch.Tensor:
@@ -40,8 +48,8 @@ def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], stagin
     compute = chunks.kinds["param"]
     kind = "master" if "master" in info.kinds else "param"       # "param" for a frozen chunk or fp32 compute
     if "master" not in staging:
-        largest = max((i.span[1] - i.span[0] for i in chunks.chunks()), default=0)
-        staging["master"] = chunks.staging(largest * 4)[0]
+        largest = max((i.piece_numel for i in chunks.chunks()), default=0)
+        staging["master"] = piece_staging(chunks, largest * 4)
         if compute != torch.float32:
             staging["param"] = torch.empty(largest, dtype=compute, device="cpu")
     if all(s.name in covered for s in info.params if overlap(s, info.span) is not None):

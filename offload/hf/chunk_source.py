@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.ranks import PeerFailed, Ranks, peer_error, report
 from ..chunks.access import ChunkAccess
 from ..errors import StateError
+from .chunk_fill import piece_staging
 
 
 class ChunkSource:
@@ -31,9 +32,8 @@ class ChunkSource:
         self.source = source
         self.ranks = Ranks(chunks.sharding)
         # The largest piece (the whole chunk in one process), the same size on every rank.
-        piece = max(((i.span[1] - i.span[0]) * i.kinds[self.kind(i.index)].itemsize for i in self.info),
-                    default=0)
-        self.staging = chunks.staging(piece)[0]
+        piece = max((i.piece_nbytes(self.kind(i.index)) for i in self.info), default=0)
+        self.staging = piece_staging(chunks, piece)
         self.whole = torch.empty(self.ranks.world * piece, dtype=torch.uint8) \
             if self.ranks.sharded and self.ranks.lead else None
         self.stopped = False        # every rank raised at the same agreement: no collective follows
