@@ -88,8 +88,10 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
         check_same_layout(layout, dtype)
     n, e = layout.chunk_size, dtype.itemsize
     need_device = min_device_bytes_sharded(n, e, layout.largest_chunk, sharding.world if sharding else 1)
-    trainable = [layout.sizes[c] for c in layout.trainable_chunks]
-    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), layout.largest_chunk * e)
+    # The CPU Adam updates this rank's piece of a chunk at a time (the whole chunk in one process).
+    piece = sharding.piece_numel if sharding is not None else (lambda numel: numel)
+    trainable = [piece(layout.sizes[c]) for c in layout.trainable_chunks]
+    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), piece(layout.largest_chunk) * e)
     groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "
               f"chunks being reduce-scattered" if sharding else "")
     why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
