@@ -236,9 +236,15 @@ def test_bf16_pieces_train_like_one_process_within_bf16s_rounding(tmp_path):
     single = one_process(tmp_path, cfg)
     out = run(tmp_path, 3, 8, batch=6, config=cfg)
     torch.testing.assert_close(torch.tensor(mean_losses(out)), torch.tensor(want), rtol=BF16_RTOL, atol=0)
+    # Per element, bf16's rounding (summed over ranks in another order) can flip the sign of a
+    # noise-level gradient, and Adam turns that into a step of up to lr: single elements may end
+    # 3-4 lr apart (one process's run is 2 lr from this reference too). On average over a tensor
+    # they stay within lr / 2 (measured <= lr / 6); a piece left stale or updated by the wrong
+    # gradient moves a third of its chunk by ~lr a step.
     master = mixed.master.state_dict()
     for name, value in out[1]["state"].items():
-        torch.testing.assert_close(value.float(), master[name], rtol=0, atol=2e-2, msg=name)
+        mean = (value.float() - master[name]).abs().mean().item()
+        assert mean <= LR / 2, (name, mean)
     check_slices(out, single)
 
 
