@@ -36,6 +36,16 @@ SLOT_ALIGN = 4096       # NVMe slots start on 4 KiB boundaries (offload.tiers.nv
 BF16_RTOL = 2.5 * torch.finfo(torch.bfloat16).eps
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The references are tiny models: on a shared 2-core machine torch's thread pool only adds
+    contention (8 steps took 3 s on two threads, 0.2 s on one); the ranks run one thread each."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(tmp: Path, **kw) -> dict:
     """Budgets below one rank's share of TinyGPT's state at 2 and 3 ranks (480 KB at 3): pieces
     pass through NVMe."""
