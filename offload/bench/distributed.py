@@ -4,9 +4,9 @@ N processes (spawned; gloo on the CPU, NCCL with ``--device cuda``, one GPU per 
 the same preset model (same seed) and take their 1/N of the same global batch (``--batch-tokens``,
 split by sequences). Each rank trains it two ways, alternating samples (the machine drifts):
 
-* **ours**: ``offload.wrap`` + ``offload.AdamW``, which shards the chunks across the ranks
-  (ZeRO-3: parameters all-gathered per communication group for forward and again for backward,
-  gradients reduce-scattered to their owners). In memory by default (budgets above the state, no
+* **ours**: ``offload.wrap`` + ``offload.AdamW``, which slices every chunk across the ranks
+  (ZeRO-3: each chunk all-gathered from the ranks' pieces for forward and again for backward,
+  its gradients reduce-scattered back into the pieces). In memory by default (budgets above the state, no
   NVMe: FSDP2 is in memory too); ``--cpu-budget``/``--device-budget`` apply per rank and then put
   the rest on NVMe under ``--path``/rank<r>.
 * **FSDP2**, the reference a PyTorch user would pick: ``torch.distributed.fsdp.fully_shard`` on
@@ -28,8 +28,9 @@ keeps its root's parameters (embeddings, final norm) gathered from forward into 
 sits slightly under that figure; ours must not move more than FSDP2. The bytes are also split by
 phase (forward, backward, optimizer step: where a system re-gathers shows up there). The engine's
 own ``offload_stats()["collectives"]``, summed over each sample's steps, is checked against the
-counter sample by sample (``engine_agrees``). The chunk size is ``dp_chunk_size``'s (each rank
-owns several chunks), the same at N=1 and N; the figures do not fail the command.
+counter sample by sample (``engine_agrees``). The chunk size is ``dp_chunk_size``'s (several
+chunks, so that gathers and reductions overlap compute), the same at N=1 and N; the figures do
+not fail the command.
 
 This module checks the arguments, launches the ranks and collects their figures; one rank's work
 is ``offload.bench.distributed_rank``'s, the figures summed over ranks, compared and printed are
@@ -52,7 +53,7 @@ from .distributed_rank import run_rank
 from .distributed_report import compare, engine_agrees, print_report, summarize
 from .workload import BYTES_PER_PARAM, STEPS_PER_SAMPLE, BenchStepError, build_model
 
-GROUPS_PER_RANK = 4           # the bench's chunk size leaves each rank at least this many chunks
+CHUNKS_FOR_OVERLAP = 8        # the bench's chunk size cuts the model into at least this many chunks
 COMPUTE_ITEMSIZE = 2          # bf16
 __all__ = ["measure", "print_report", "summarize", "engine_agrees", "dp_chunk_size"]
 
@@ -63,15 +64,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def dp_chunk_size(numels: list[int], world: int) -> int:
+def dp_chunk_size(numels: list[int]) -> int:
     """Elements per chunk for the data-parallel run: the least wasteful size (the engine's own
-    search) no larger than 1/(GROUPS_PER_RANK * N) of the model, unless one parameter is larger.
+    search) no larger than 1/CHUNKS_FOR_OVERLAP of the model, unless one parameter is larger.
 
-    "auto" sizes chunks by the budgets, giving N ranks only N chunks at least: one group a rank,
-    nothing to overlap. The same size serves the N=1 run, so both train the same layout."""
+    "auto" sizes chunks by the budgets, which for the bench's small models in large budgets is
+    one chunk: nothing to overlap. The size does not depend on the number of ranks (every rank
+    keeps a piece of every chunk); the same size serves the N=1 run, so both train one layout."""
     from ..chunks import search_chunk_size
 
-    cap = max(max(numels), sum(numels) // (GROUPS_PER_RANK * world))
+    cap = max(max(numels), sum(numels) // CHUNKS_FOR_OVERLAP)
     return search_chunk_size(numels, max_chunk=cap)
 
 
@@ -169,7 +171,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="
     model, _ = build_model(cfg, "cpu")
     numels = [p.numel() for p in model.parameters()]
     params = sum(numels)
-    chunk = chunk_size if chunk_size != "auto" else dp_chunk_size(numels, nproc)
+    chunk = chunk_size if chunk_size != "auto" else dp_chunk_size(numels)
     # what whole-chunk collectives carry beyond the parameters (packing gaps, the last chunk's tail)
     layout = ChunkLayout.build([(n, p.shape) for n, p in model.named_parameters()], chunk)
     padding = sum(layout.sizes) / params - 1

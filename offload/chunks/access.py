@@ -5,10 +5,9 @@ all go through ``engine.chunks`` (a ``ChunkAccess``), never through the engine's
 parameters or optimizer worker. It answers four questions:
 
 * **Which chunks are there?** ``chunks()`` lists every chunk with its metadata (``ChunkInfo``:
-  size, the kinds of state it has and their dtypes, its parameters, which rank keeps it);
+  size, the kinds of state it has and their dtypes, its parameters, the piece this rank keeps);
   ``layout`` is the immutable geometry (bulk chunk size, every parameter's ``ParamSlot``);
-  ``param(p)`` places one parameter. None of this depends on the world size, but for a model
-  that an "auto" size would pack into fewer chunks than ranks (``layout.search_chunk_size``).
+  ``param(p)`` places one parameter. None of this but ``span`` depends on the world size.
 * **What values does a chunk hold?** ``read(kind, c)`` copies chunk ``c``'s ``kind`` state from
   whichever tier holds it (device, pinned CPU or NVMe) into a CPU buffer; ``write(kind, c, values)``
   replaces it. ``gather`` / ``scatter`` do the same per parameter, reading each chunk once.
@@ -22,9 +21,11 @@ chunk's kinds are ``"param"`` (compute dtype) and, for a trainable chunk, ``"mas
 only when the compute dtype is not fp32), ``"exp_avg"`` and ``"exp_avg_sq"`` (fp32); gradients
 are transient and not part of this interface.
 
-Under data parallelism (``sharding`` set) a chunk's state lives on its owner only
-(``offload.distributed.sharding``): ``read``/``write`` act on the chunks this rank keeps, and
-``gather`` is a collective every rank calls.
+Under data parallelism (``sharding`` set) every rank keeps one piece of every chunk
+(``offload.distributed.sharding``): ``read``/``write`` act on this rank's piece (elements
+``span`` of the chunk), ``read_full`` is a collective that all-gathers the whole chunk, and
+``write_full`` takes the whole chunk and keeps this rank's piece of it; ``gather`` is a
+collective every rank calls.
 """
 
 from __future__ import annotations
@@ -53,17 +54,25 @@ class ChunkInfo:
     trainable: bool
     """it holds trainable parameters (a frozen chunk has ``"param"`` state only)."""
     kinds: Mapping[str, torch.dtype]
-    """the persistent kinds of state it has on its owner, with their dtypes."""
+    """the persistent kinds of state it has, with their dtypes."""
     params: tuple[ParamSlot, ...]
     """its parameters, in layout order (name, offset, numel, shape)."""
-    owner: int
-    """the rank that keeps its state (0 in a single process)."""
-    kept: bool
-    """this rank keeps its state (always, in a single process)."""
+    span: tuple[int, int]
+    """``(lo, hi)``: the elements of the chunk this rank's piece holds (``(0, numel)`` in a single
+    process); ``hi`` may pass ``numel``: that end of the piece is padding (zeros)."""
+
+    @property
+    def piece_numel(self) -> int:
+        """Elements of this rank's piece (``numel`` in a single process)."""
+        return self.span[1] - self.span[0]
 
     def nbytes(self, kind: str) -> int:
-        """Bytes of its ``kind`` state."""
+        """Bytes of its whole ``kind`` state."""
         return self.numel * self.kinds[kind].itemsize
+
+    def piece_nbytes(self, kind: str) -> int:
+        """Bytes of this rank's piece of its ``kind`` state (what ``read`` returns)."""
+        return self.piece_numel * self.kinds[kind].itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,22 +121,32 @@ class ChunkAccess(Protocol):
     def sharding(self) -> "Sharding | None":
         """This rank's place among the data-parallel ranks (None in a single process)."""
 
-    def chunks(self, *, kept_only: bool = False) -> Sequence[ChunkInfo]:
-        """Every chunk, in index order (``chunks()[c]`` is chunk ``c``); ``kept_only``: those this
-        rank keeps."""
+    def chunks(self) -> Sequence[ChunkInfo]:
+        """Every chunk, in index order (``chunks()[c]`` is chunk ``c``)."""
 
     def param(self, p: torch.Tensor) -> ParamInfo | None:
         """Where parameter ``p`` lives; None when this engine does not hold it."""
 
     def read(self, kind: str, c: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Chunk ``c``'s ``kind`` state as a 1-D CPU tensor of its ``numel`` elements (its dtype),
-        copied from whichever tier holds it; None when the chunk has no such state here or holds
-        nothing yet (Adam moments before the first step). ``out``: a buffer from ``staging`` to
-        copy into (the result is a view of it); None: a fresh one."""
+        """This rank's piece of chunk ``c``'s ``kind`` state (the whole chunk in a single
+        process) as a 1-D CPU tensor of ``piece_numel`` elements (its dtype), copied from
+        whichever tier holds it; None when the chunk has no such state or holds nothing yet
+        (Adam moments before the first step). ``out``: a buffer from ``staging`` to copy into (the
+        result is a view of it); None: a fresh one."""
 
     def write(self, kind: str, c: int, values: torch.Tensor | None) -> None:
-        """Replace chunk ``c``'s ``kind`` state with ``values`` (``numel`` elements, converted to the
-        kind's dtype); None empties it (it then holds nothing, as before a first step)."""
+        """Replace this rank's piece of chunk ``c``'s ``kind`` state with ``values``
+        (``piece_numel`` elements, converted to the kind's dtype); None empties it (it then holds
+        nothing, as before a first step)."""
+
+    def read_full(self, kind: str, c: int) -> torch.Tensor | None:
+        """Chunk ``c``'s whole ``kind`` state (``numel`` elements) on every rank: a collective that
+        every rank calls in the same order (``read`` in a single process). None on every rank when
+        the chunk has no such state or holds nothing yet."""
+
+    def write_full(self, kind: str, c: int, values: torch.Tensor) -> None:
+        """Replace chunk ``c``'s ``kind`` state with ``values``, the whole chunk (``numel``
+        elements) given alike on every rank: each rank keeps its piece (no collective)."""
 
     def staging(self, nbytes: int, count: int = 1) -> list[torch.Tensor]:
         """``count`` reusable CPU buffers of ``nbytes`` bytes for ``read`` (page-aligned when chunks
@@ -140,7 +159,7 @@ class ChunkAccess(Protocol):
 
     def scatter(self, values: dict[int, torch.Tensor], kinds: Iterable[str] | None = None) -> None:
         """Write ``{id(param): value}`` into the chunks of ``kinds`` (default: ``"param"`` and
-        ``"master"``), each chunk read and written once; a rank writes the chunks it keeps."""
+        ``"master"``), each chunk read and written once; a rank writes its pieces of them."""
 
     def drain(self, *, moves: bool = False) -> None:
         """Finish the queued Adam updates (re-raising the worker's error); ``moves``: also wait for

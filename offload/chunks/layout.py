@@ -15,8 +15,7 @@ Two rules keep one kind of parameter from setting the cost of the others:
   gets a chunk of its own size, so the chunk size is chosen
   for the bulk of the model and one embedding does not set the size of every chunk.
 
-The "auto" size follows the budgets (``auto_max_chunk``) and, under N ranks, is small enough
-that a small model still has N chunks, one for each rank to keep (``search_chunk_size``).
+The "auto" size follows the budgets (``auto_max_chunk``), never the number of ranks.
 """
 
 from __future__ import annotations
@@ -118,43 +117,23 @@ def auto_max_chunk(device_budget: int, cpu_budget: int) -> int:
 
 
 def search_chunk_size(numels: Sequence[int], *, max_chunk: int = DEFAULT_MAX_CHUNK,
-                      align: int = PARAM_ALIGN, trainable: Sequence[bool] | None = None,
-                      min_chunks: int = 1) -> int:
+                      align: int = PARAM_ALIGN, trainable: Sequence[bool] | None = None) -> int:
     """The chunk size (elements) in [largest parameter up to ``max_chunk``, ``max_chunk``] that
     wastes least (Gemini's search). Parameters above ``max_chunk`` get chunks of their own and
-    do not raise the size.
-
-    ``min_chunks``: the fewest chunks the layout should have. Under N ranks chunks are dealt
-    round-robin (``offload.distributed.sharding``), so a model packed into fewer than N chunks
-    leaves a rank with nothing to keep or update. Only then does N change the answer (a layout
-    that already has N chunks is the one-process layout, so checkpoints keep resharding by
-    chunk index): the cap falls to an N-th of the model, and sizes that give N chunks win over
-    any that waste less. A parameter is never split (one above the share gets a chunk of its
-    own) and no size is below ``CHUNK_QUANTUM``, so a model of fewer than N parameters, or under
-    N quanta, can still end with fewer.
+    do not raise the size. The number of ranks plays no part: each keeps a piece of every chunk
+    (``offload.distributed.sharding``).
 
     Ties go to the smaller chunk: more, smaller chunks give the scheduler finer control.
     """
     cap = _align(max(max_chunk, CHUNK_QUANTUM), CHUNK_QUANTUM)
-    size = _least_waste(numels, cap, align, trainable, 1)
-    if min_chunks <= 1 or len(pack(numels, size, align, trainable).sizes) >= min_chunks:
-        return size
-    share = sum(numels) // min_chunks // CHUNK_QUANTUM * CHUNK_QUANTUM
-    return _least_waste(numels, min(cap, max(share, CHUNK_QUANTUM)), align, trainable, min_chunks)
-
-
-def _least_waste(numels: Sequence[int], cap: int, align: int, trainable: Sequence[bool] | None,
-                 min_chunks: int) -> int:
-    """The size up to ``cap`` that comes closest to ``min_chunks`` chunks, then wastes least."""
     bulk = max((n for n in numels if n <= cap), default=CHUNK_QUANTUM)
     lo = _align(max(bulk, CHUNK_QUANTUM), CHUNK_QUANTUM)
     step = max(CHUNK_QUANTUM, _align((cap - lo) // AUTO_CANDIDATES, CHUNK_QUANTUM))
-    best, best_key = lo, (math.inf, math.inf)
+    best, best_waste = lo, math.inf
     for size in range(lo, cap + 1, step):
-        packing = pack(numels, size, align, trainable)
-        key = (max(0, min_chunks - len(packing.sizes)), sum(packing.sizes) - sum(numels))
-        if key < best_key:
-            best, best_key = size, key
+        waste = sum(pack(numels, size, align, trainable).sizes) - sum(numels)
+        if waste < best_waste:
+            best, best_waste = size, waste
     return best
 
 
@@ -185,11 +164,9 @@ class ChunkLayout:
     @classmethod
     def build(cls, params: Iterable[tuple[str, Sequence[int]]], chunk_size: Union[int, str] = "auto", *,
               max_chunk: int = DEFAULT_MAX_CHUNK, align: int = PARAM_ALIGN,
-              frozen: Collection[str] = (), min_chunks: int = 1) -> "ChunkLayout":
+              frozen: Collection[str] = ()) -> "ChunkLayout":
         """Pack ``(name, shape)`` pairs in the given order. ``chunk_size`` in elements or ``"auto"``;
-        ``frozen``: names of parameters that get no gradient (kept apart from trainable ones);
-        ``min_chunks``: the fewest chunks an "auto" size aims at (the number of ranks, so that
-        each keeps at least one: ``search_chunk_size``); an explicit size is taken as given."""
+        ``frozen``: names of parameters that get no gradient (kept apart from trainable ones)."""
         named = [(name, tuple(int(d) for d in shape)) for name, shape in params]
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
@@ -198,8 +175,7 @@ class ChunkLayout:
         trainable = [n not in frozen for n in names]
         numels = [math.prod(shape) for _, shape in named]
         if chunk_size == "auto":
-            size = search_chunk_size(numels, max_chunk=max_chunk, align=align, trainable=trainable,
-                                     min_chunks=min_chunks)
+            size = search_chunk_size(numels, max_chunk=max_chunk, align=align, trainable=trainable)
         else:
             size = int(chunk_size)
             if size <= 0 or size % CHUNK_QUANTUM:

@@ -23,7 +23,7 @@ import torch
 from ..errors import ConfigError, StateError
 from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move
-from ..tiers.nvme import NvmeSlot, NvmeTier
+from ..tiers.nvme import SLOT_ALIGN, NvmeSlot, NvmeTier
 from ..tiers.streams import CopyStreams
 from .policy import Policy
 from .records import ChunkKey, ChunkRecord
@@ -76,7 +76,9 @@ class ChunkStore:
             keys = [(kind, i) for i in numels]
             if any(k in self.records for k in keys):
                 raise ConfigError("kind", kind, "is already registered")
-            sizes = [n * dtype.itemsize for n in numels.values()]
+            # Whole blocks for O_DIRECT: a chunk's 1/N piece need not end on one (tail unread).
+            block = SLOT_ALIGN if "nvme" in self.tiers and nvme else 1
+            sizes = [-(-n * dtype.itemsize // block) * block for n in numels.values()]
             slots: list[NvmeSlot | None] = [None] * len(keys)
             if "nvme" in self.tiers and keys and nvme:
                 slots = self.tiers["nvme"].reserve_slots(kind, sizes)

@@ -1,10 +1,10 @@
-"""Data parallelism across ranks: ZeRO-3-style chunk sharding over torch.distributed.
+"""Data parallelism across ranks: ZeRO-3-style sharding of every chunk over torch.distributed.
 
-``sharding`` says who owns which chunk; ``gather`` brings a communication group's parameter
-chunks to every rank before use; ``reduce`` takes a group's gradients to their owners;
+``sharding`` says which piece of every chunk a rank keeps; ``gather`` all-gathers a chunk's
+parameters on every rank before use; ``reduce`` reduce-scatters its gradients back into pieces;
 ``failure`` turns a peer's death into an error on every rank.
 """
 
-from .sharding import Sharding, expand_rank, owner_of
+from .sharding import Sharding, expand_rank
 
-__all__ = ["Sharding", "expand_rank", "owner_of"]
+__all__ = ["Sharding", "expand_rank"]

@@ -15,17 +15,17 @@ rank's jobs up to k have met their own inputs.
 compute queued before it (the writes into the buffers it sends), and compute for the collective.
 With gloo on the CPU, ``wait`` blocks the waiting thread instead.
 
-**No hidden temporaries.** Parameter chunks are gathered by one broadcast per chunk from its
-owner, gradients summed by one reduce per chunk to its owner: each lands in the chunk's own
-budgeted buffer. The list forms of all_gather / reduce_scatter over a group of separate chunk
-buffers would have NCCL stage them in a world × chunk flat temporary outside every budget; N
-broadcasts (reduces), one rooted at each rank, move the same bus bytes as one all-gather
-(reduce-scatter) of the group. (Slicing every chunk over the ranks, with all_gather_into_tensor
-into the chunk's own buffer, is the next step: the gathered set then stops growing with N.)
+**No hidden temporaries.** A chunk is gathered by one ``all_gather_into_tensor`` of the ranks'
+pieces straight into the chunk's own (budgeted) buffer, and its gradient summed by one
+``reduce_scatter_tensor`` from the chunk's own buffer into this rank's piece: no staging copy
+outside the budgets (the list forms of all_gather / reduce_scatter would have NCCL stage a flat
+temporary). torch 2.13 renames them ``all_gather_single`` / ``reduce_scatter_single``; whichever
+this torch has is used.
 
-**Bytes** are counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): a
-broadcast or reduce of b bytes moves (N-1)/N·b (a pipelined ring: every rank but one receives b,
-every rank but one sends it); an all-reduce 2(N-1)/N of its size.
+**Bytes** are counted per rank the way bandwidth is usually reported (nccl-tests' bus bytes): an
+all-gather into (a reduce-scatter from) a whole chunk of b bytes moves (N-1)/N·b per rank (a ring:
+each rank sends and receives every piece but its own), as does a broadcast of b bytes; an
+all-reduce moves 2(N-1)/N of its size.
 
 A failed collective (a dead peer, a timeout) becomes a ``DistributedError`` naming this rank,
 the collective, and the failed rank when that rank left its name in the process group's store
@@ -112,9 +112,9 @@ class Collectives:
     def broadcast(self, tensor: torch.Tensor, src: int) -> Future:
         return self.submit(lambda: [self.start_broadcast(tensor, src)])
 
-    def reduce(self, tensor: torch.Tensor, dst: int) -> Future:
-        """Sum ``tensor`` over ranks into rank ``dst``'s (in place)."""
-        return self.submit(lambda: [self.start_reduce(tensor, dst)])
+    def all_gather(self, whole: torch.Tensor, piece: torch.Tensor) -> Future:
+        """Every rank's ``piece`` into ``whole`` (world x piece elements), in rank order."""
+        return self.submit(lambda: [self.start_all_gather(whole, piece)])
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """In place and waited for (small tensors: norms, flags)."""
@@ -127,10 +127,14 @@ class Collectives:
                            lambda: dist.broadcast(tensor, src, group=self.group, async_op=True),
                            f"broadcast from rank {src}")
 
-    def start_reduce(self, tensor: torch.Tensor, dst: int):
-        return self._start("reduce", (self.world - 1) * _nbytes(tensor) // self.world,
-                           lambda: dist.reduce(tensor, dst, group=self.group, async_op=True),
-                           f"reduce to rank {dst}")
+    def start_all_gather(self, whole: torch.Tensor, piece: torch.Tensor):
+        return self._start("all_gather", (self.world - 1) * _nbytes(whole) // self.world,
+                           lambda: _ALL_GATHER(whole, piece, group=self.group, async_op=True))
+
+    def start_reduce_scatter(self, piece: torch.Tensor, whole: torch.Tensor):
+        """Sum ``whole`` over ranks; this rank's ``piece`` of the sum lands in ``piece``."""
+        return self._start("reduce_scatter", (self.world - 1) * _nbytes(whole) // self.world,
+                           lambda: _REDUCE_SCATTER(piece, whole, group=self.group, async_op=True))
 
     def start_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM):
         return self._start("all_reduce", 2 * (self.world - 1) * _nbytes(tensor) // self.world,
@@ -183,6 +187,11 @@ class Collectives:
         if why:
             detail = f"{why} (here: {detail})"
         return DistributedError(self.sharding.rank, what, detail, failed)
+
+
+# torch 2.13 names them *_single (the *_tensor names warn there); older torch has only those.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:

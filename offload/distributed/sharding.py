@@ -1,24 +1,23 @@
-"""Who owns which chunk when N ranks train one model (ZeRO-3 over torch.distributed).
+"""How N ranks share one model's state (ZeRO-3 over torch.distributed): every chunk sliced N ways.
 
-Chunks are dealt round-robin: chunk ``c`` belongs to rank ``c % N``, so the N consecutive
-chunks ``g*N .. g*N+N-1`` form *communication group* ``g`` with one chunk per rank (PatrickStar
-and Gemini group them the same way): a group's parameters come to every rank together (one
-broadcast per chunk from its owner), and its gradients go to their owners together (one reduce
-per chunk; see ``comms`` for why not one all-gather / reduce-scatter). The owner alone keeps the chunk's
-parameters, fp32 master, Adam moments and NVMe slots; the other ranks hold its parameters only
-while a gathered group is in use, and its gradients only until they are reduced.
+Chunk ``c`` of ``numel`` elements is cut into N equal *pieces* of ``ceil(numel / N)`` elements:
+rank ``r`` keeps elements ``[r*p, r*p + p)`` of the chunk padded with zeros to ``N*p`` (fewer
+than N elements of padding) -- that piece of its parameters, fp32 master and Adam moments, their
+NVMe slots, and the Adam work on them. Before a chunk's layers run it is all-gathered into one
+buffer of the whole (padded) chunk; its gradient is reduce-scattered back into pieces as soon as
+it is complete (``gather``, ``reduce``). So the gathered working set on the device is a few
+chunks whatever N is (as FSDP2 and Colossal-AI Gemini keep it), and an oversized chunk (a 100B
+embedding) is split like any other: no rank holds more than its 1/N.
 
-A checkpoint saved by N ranks is resharded for M ranks by chunk index alone, since an explicit
-``chunk_size`` gives the same layout at any world size, and so does an "auto" one unless one
-process's layout has fewer than N chunks: a small model is then cut into at least N
-(``chunks.layout.search_chunk_size``), else some rank would keep nothing.
+The chunk layout never depends on N; a checkpoint of N ranks is resharded for M by slicing the
+same chunks differently (``offload.checkpoint``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from ..errors import ConfigError
 
@@ -52,32 +51,20 @@ class Sharding:
         local = int(os.environ.get("LOCAL_RANK", rank))
         return cls(rank, world, local, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
-    def owner(self, c: int) -> int:
-        """The rank that keeps chunk ``c`` (``owner_of``)."""
-        return owner_of(c, self.world)
+    def piece_numel(self, numel: int) -> int:
+        """Elements of each rank's piece of a chunk of ``numel`` elements."""
+        return -(-numel // self.world)
 
-    def owns(self, c: int) -> bool:
-        """Whether this rank keeps chunk ``c``."""
-        return self.owner(c) == self.rank
+    def padded(self, numel: int) -> int:
+        """Elements of a whole chunk of ``numel`` once padded to N equal pieces."""
+        return self.world * self.piece_numel(numel)
 
-    def owned(self, chunks: Iterable[int]) -> list[int]:
-        return [c for c in chunks if self.owns(c)]
-
-    def group_of(self, c: int) -> int:
-        return c // self.world
-
-    def group_chunks(self, g: int, num_chunks: int) -> list[int]:
-        """Chunk indices of communication group ``g`` (the last group may have fewer than N)."""
-        return list(range(g * self.world, min((g + 1) * self.world, num_chunks)))
-
-    def num_groups(self, num_chunks: int) -> int:
-        return -(-num_chunks // self.world)
-
-
-def owner_of(c: int, world: int) -> int:
-    """Owner of chunk ``c`` among ``world`` ranks: the one ownership rule (round-robin), which
-    ``Sharding.owner`` / ``owns`` apply and everything else asks them for."""
-    return c % world
+    def span(self, numel: int, rank: int | None = None) -> tuple[int, int]:
+        """``(lo, hi)``: the elements of a ``numel``-element chunk that ``rank`` (default this
+        one) keeps; ``hi`` may pass ``numel`` (that part of the piece is padding, zeros)."""
+        p = self.piece_numel(numel)
+        r = self.rank if rank is None else rank
+        return r * p, r * p + p
 
 
 def expand_rank(paths: Sequence[str] | None, sharding: "Sharding | None") -> tuple[str, ...] | None:

@@ -24,6 +24,7 @@ class EngineChunks:
     def __init__(self, engine):
         self._engine = engine
         params, layout, sharding = engine.params, engine.layout, engine.dp
+        self._params = params
         self.layout = layout
         self.sharding = sharding
         slots: dict[int, list] = {}
@@ -31,7 +32,7 @@ class EngineChunks:
             slots.setdefault(s.chunk, []).append(s)
         infos = []
         for c in range(layout.num_chunks):
-            # The kinds the engine registers for the chunk's owner (ChunkedParams, OffloadEngine).
+            # The persistent kinds the engine registers (ChunkedParams, OffloadEngine).
             kinds = {"param": params.dtype}
             if layout.trainable[c]:
                 if params.master_kind(c) == "master":
@@ -39,8 +40,7 @@ class EngineChunks:
                 kinds["exp_avg"] = kinds["exp_avg_sq"] = torch.float32
             infos.append(ChunkInfo(index=c, numel=layout.chunk_numel(c), used=layout.used[c],
                                    trainable=layout.trainable[c], kinds=MappingProxyType(kinds),
-                                   params=tuple(slots.get(c, ())),
-                                   owner=0 if sharding is None else sharding.owner(c), kept=params.keeps(c)))
+                                   params=tuple(slots.get(c, ())), span=params.span(c)))
         self._infos = tuple(infos)
         kinds: dict[str, torch.dtype] = {}
         for info in infos:
@@ -49,8 +49,8 @@ class EngineChunks:
         self.kinds = MappingProxyType(kinds)
 
     # ---- metadata ----------------------------------------------------------------------------
-    def chunks(self, *, kept_only: bool = False) -> tuple[ChunkInfo, ...]:
-        return tuple(i for i in self._infos if i.kept) if kept_only else self._infos
+    def chunks(self) -> tuple[ChunkInfo, ...]:
+        return self._infos
 
     def param(self, p: torch.Tensor) -> ParamInfo | None:
         ref = self._engine.params.refs.get(id(p))
@@ -74,6 +74,28 @@ class EngineChunks:
             rec = store.records.get(key)
             if rec is not None and rec.state is not ChunkState.FREE:
                 store.release_storage(key)
+
+    def read_full(self, kind: str, c: int) -> torch.Tensor | None:
+        if kind not in self._infos[c].kinds:
+            return None
+        store, key = self._engine.store, (kind, c)
+        with store.lock:
+            empty = store.records[key].state is ChunkState.FREE
+        if self.sharding is not None:
+            # FREE or not is the same on every rank (a first step fills every piece at once);
+            # agreeing on it costs one tiny all-reduce and keeps a mismatch from hanging a rank.
+            flag = torch.tensor([1.0 if empty else 0.0], device=self._params.comm_device)
+            self._engine.comms.all_reduce(flag)
+            empty = float(flag.item()) > 0
+        if empty:
+            return None
+        return self._params.read_whole(key)
+
+    def write_full(self, kind: str, c: int, values: torch.Tensor) -> None:
+        info = self._infos[c]
+        if values.numel() != info.numel:
+            raise ConfigError("values", values.numel(), f"chunk {kind}[{c}] has {info.numel} elements")
+        self.write(kind, c, self._params.piece_of(c, values.reshape(-1)))
 
     def staging(self, nbytes: int, count: int = 1) -> list[torch.Tensor]:
         return self._engine.store.staging_buffers(nbytes, count)

@@ -78,21 +78,22 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
                  cpu_budget: int, sharding) -> ChunkLayout:
     """The chunk layout (the same on every rank, checked), refused when the budgets cannot hold
     the minimum working set of one step (``min_device_bytes`` and ``min_cpu_bytes``: the planner
-    refuses by the same rules). Under N ranks an "auto" size gives at least N chunks where the
-    model allows, so that every rank keeps and updates some; every rank computes it from the
-    same inputs (the model, the agreed budgets, N)."""
+    refuses by the same rules). The layout does not depend on the number of ranks (each keeps a
+    piece of every chunk); every rank computes it from the same inputs (the model, the agreed
+    budgets), and checks that the others did."""
     layout = ChunkLayout.build([(n, shapes.get(id(p), p.shape)) for n, p in named], config.chunk_size,
                                max_chunk=auto_max_chunk(device_budget, cpu_budget),
-                               frozen={n for n, p in named if not p.requires_grad},
-                               min_chunks=sharding.world if sharding is not None else 1)
+                               frozen={n for n, p in named if not p.requires_grad})
     if sharding is not None:
         check_same_layout(layout, dtype)
     n, e = layout.chunk_size, dtype.itemsize
     need_device = min_device_bytes_sharded(n, e, layout.largest_chunk, sharding.world if sharding else 1)
-    trainable = [layout.sizes[c] for c in layout.trainable_chunks]
-    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), layout.largest_chunk * e)
-    groups = (f"; under {sharding.world} ranks, 4 gathered groups of {sharding.world} parameter chunks and "
-              f"2 of gradient chunks being reduced" if sharding else "")
+    # The CPU Adam updates this rank's piece of a chunk at a time (the whole chunk in one process).
+    piece = sharding.piece_numel if sharding is not None else (lambda numel: numel)
+    trainable = [piece(layout.sizes[c]) for c in layout.trainable_chunks]
+    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), piece(layout.largest_chunk) * e)
+    groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "
+              f"chunks being reduce-scattered" if sharding else "")
     why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
            "raise the budget or lower chunk_size")
     if device_budget < need_device:
@@ -127,6 +128,10 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
     return tiers, aliases
 
 
+# The kinds that live from step to step (gradients come and go; gathered chunks are copies).
+PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
+
+
 def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, dtype: torch.dtype,
                              memory_bytes: int) -> bool:
     """Register the gradient and Adam moment chunks; returns whether the persistent state
@@ -134,21 +139,18 @@ def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, d
     # Without accumulation a gradient chunk only holds copies of what autograd produced: keep
     # autograd's dtype (lossless, and half of fp32's bytes for bf16/fp16). Adding micro-batches
     # together is done in fp32. Frozen chunks get neither gradients nor optimizer state.
-    trainable = params.trainable_sizes()
-    kept = params.trainable_sizes(kept_only=True)
+    pieces = params.trainable_sizes()       # this rank's piece of each (the whole chunk in one process)
     grad_dtype = dtype if config.gradient_accumulation_steps == 1 else torch.float32
-    if config.gradient_accumulation_steps == 1:
-        # Another rank's gradient chunk lives from its first gradient until its group is
-        # reduced, pinned all along: it never needs an NVMe slot. Accumulated ones may.
-        store.register_chunks("grad", kept, grad_dtype)
-        others = {c: n for c, n in trainable.items() if c not in kept}
-        if others:
-            store.register_chunks("grad", others, grad_dtype, nvme=False)
-    else:
-        store.register_chunks("grad", trainable, grad_dtype)
+    if params.capture_kind != "grad":
+        # Under several ranks autograd's gradients fill whole chunks, reduce-scattered into the
+        # pieces Adam reads. Without accumulation a whole chunk lives from its first gradient
+        # until it is reduced, pinned all along: it never needs an NVMe slot. Accumulated ones may.
+        store.register_chunks(params.capture_kind, params.trainable_whole_sizes(), grad_dtype,
+                              nvme=config.gradient_accumulation_steps > 1)
+    store.register_chunks("grad", pieces, grad_dtype)
     for kind in ("exp_avg", "exp_avg_sq"):
-        store.register_chunks(kind, kept, torch.float32)
-    persistent = sum(r.nbytes for r in store.records.values() if r.key[0] != "grad" and params.keeps(r.key[1]))
+        store.register_chunks(kind, pieces, torch.float32)
+    persistent = sum(r.nbytes for r in store.records.values() if r.key[0] in PERSISTENT_KINDS)
     return config.nvme_paths is not None and persistent > memory_bytes
 
 

@@ -48,7 +48,7 @@ class OffloadEngine:
         self.device = compute_device(config, [*model.parameters(), *model.buffers()])
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
-        # Under a process group of N ranks, each owns 1/N of the chunks (offload.distributed).
+        # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed).
         self.dp = dp = Sharding.from_process_group()
         budgets = resolve_budgets(config, self.device, dp.local_world if dp is not None else 1)
         self.device_budget, self.cpu_budget = budgets.device, budgets.cpu
@@ -66,9 +66,10 @@ class OffloadEngine:
         # The chunks: parameters (their device copies viewed by the parameters), gradients, Adam state.
         tiers, aliases = build.make_tiers(config, self.device, self.device_budget, self.cpu_budget, dp,
                                           prefix=f"offload-{id(self):x}")
-        views = ParamViews(named, self.layout, self.dtype, self.device, (aliases or {}).get("device", "device"))
+        views = ParamViews(named, self.layout, self.dtype, self.device, (aliases or {}).get("device", "device"),
+                           kind="param" if dp is None else "gathered")
         self.store = ChunkStore(tiers, self.policy, aliases=aliases, streams=streams, tracer=self.tracer,
-                                on_free=views.on_store_free, urgent_kinds=frozenset({"param"}))
+                                on_free=views.on_store_free, urgent_kinds=frozenset({"param", "gathered"}))
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, placeholder=views.placeholder,
                                     sharding=dp, comms=self.comms, comm_device=comm_device)
         self.spills = build.register_optimizer_state(self.store, self.params, config, self.dtype,
@@ -94,9 +95,9 @@ class OffloadEngine:
         on_compute = partial(compute_on, streams)
         self.gather = self.reducer = None
         if dp is not None:
-            from ..distributed.gather import GroupGather
+            from ..distributed.gather import ChunkGather
 
-            self.gather = GroupGather(self.comms, self.store, self.layout, tier=self.pins.tier, in_use=self.pins.pinned,
+            self.gather = ChunkGather(self.comms, self.store, tier=self.pins.tier, in_use=self.pins.pinned,
                                       wait_for_update=self.adam.wait_for, on_sent=self.updates.submit_if_ready,
                                       prefetch=1 if config.prefetch_depth > 0 else 0)
         self.ready = ReadyGradients(self.progress, self.updates, self.adam, self.pins, self.store, self.policy,
@@ -105,8 +106,9 @@ class OffloadEngine:
         if dp is not None:
             from ..distributed.reduce import GradReducer
 
-            self.reducer = GradReducer(self.comms, self.store, self.layout, tier=self.pins.tier, on_compute=on_compute,
-                                       on_reduced=self.ready.take, on_dropped=self.progress.forget)
+            self.reducer = GradReducer(self.comms, self.store, self.layout.trainable_chunks, tier=self.pins.tier,
+                                       on_compute=on_compute, on_reduced=self.ready.take,
+                                       whole_kind=self.params.capture_kind)
         self.grads = GradCapture(self.params, self.store, self.progress, self.adam, self.updates, self.ready,
                                  reducer=self.reducer, on_compute=on_compute, spills=self.spills,
                                  read_ahead=config.prefetch_depth)
@@ -117,8 +119,7 @@ class OffloadEngine:
                                      self.pins, config=config, layout=self.layout, scaler=self.scaler,
                                      spills=self.spills, gather=self.gather, reducer=self.reducer, comms=self.comms,
                                      comm_device=comm_device)
-        # Under N ranks each chunk pinned brings its whole communication group (N chunks).
-        pin_budget = self.device_budget // (2 * self.dtype.itemsize * (dp.world if dp is not None else 1))
+        pin_budget = self.device_budget // (2 * self.dtype.itemsize)
         self.hooks = ModuleHooks(model, self.params, self.pins, self.progress, self.updates, self.ready, self.grads,
                                  self.pipeline, self.parking, self.saved, self.tracer, pin_budget=pin_budget,
                                  gather=self.gather, scaler=self.scaler, streams=streams, timeline=self.gpu_timeline)

@@ -3,8 +3,9 @@
 A hook after gradient accumulation copies (or, accumulating micro-batches, adds) ``p.grad`` into
 the parameter's slice of its chunk's gradient buffer, pinned on the device, and drops ``p.grad``.
 When every trainable parameter of a chunk has its gradient the chunk is complete: with several
-ranks on the last micro-batch it goes to the reducer (its owner gets the sum), otherwise straight
-to ``ReadyGradients`` (``updates.py``). When backward ends, chunks some of whose parameters got
+ranks on the last micro-batch it goes to the reducer (reduce-scattered: each rank gets the sum of
+its piece), otherwise straight to ``ReadyGradients`` (``updates.py``). Under several ranks the
+chunk filled here is the whole (padded) ``grad_full`` one; its piece ``grad`` is what Adam reads. When backward ends, chunks some of whose parameters got
 no gradient are completed with zeros there.
 """
 
@@ -44,8 +45,9 @@ class GradCapture:
         self.spills = spills
         self.read_ahead = read_ahead
         layout = params.layout
+        self.kind = params.capture_kind
         self._expected = [sum(p.requires_grad for p in m) for m in params.chunk_members]
-        self._gaps = [self._gaps_of(c, layout.chunk_numel(c)) for c in range(layout.num_chunks)]
+        self._gaps = [self._gaps_of(c, params.whole_numel(c)) for c in range(layout.num_chunks)]
         self._reset()
 
     def _reset(self) -> None:
@@ -61,7 +63,7 @@ class GradCapture:
         ref = self.params.ref(p)
         c = ref.slot.chunk
         if c not in self.views:
-            key = ("grad", c)
+            key = (self.kind, c)
             self.updates.wait(c)        # the last step's update still holds this chunk's gradients
             if self.progress.eager and self.spills:
                 # Backward may run ahead of the optimizer by its read-ahead window, no further:
@@ -104,7 +106,7 @@ class GradCapture:
         they would in ``.grad`` with plain PyTorch."""
         for c in list(self.views):
             self.views.pop(c)
-            self.store.release(("grad", c), "device", dirty=True)
+            self.store.release((self.kind, c), "device", dirty=True)
         if self.reducer is not None:
             self.reducer.abort()
         self._reset()
@@ -134,8 +136,11 @@ class GradCapture:
                 ref = self.params.ref(p)
                 if p.requires_grad and ref.index not in self.progress.with_grad:
                     view[ref.slot.offset:ref.slot.end].zero_()
-        if self.reducer is not None and self.progress.final_micro_batch:
-            # Data parallel: the owner goes on (ReadyGradients.take) once the group is reduced.
-            self.reducer.chunk_finished(c, view)
+        if self.reducer is not None:
+            if self.progress.final_micro_batch:
+                # Data parallel: this rank's piece goes on (ReadyGradients.take) once reduced.
+                self.reducer.chunk_finished(c, view)
+            else:       # accumulating: the whole chunk waits for the window's last micro-batch
+                self.store.release((self.kind, c), "device", dirty=True)
             return
-        self.ready.take(c, view, reduced=self.reducer is None)
+        self.ready.take(c, view)

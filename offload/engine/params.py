@@ -3,8 +3,10 @@
 ``ChunkedParams`` registers the ``param`` (compute dtype) and ``master`` (fp32) chunks of one
 model in the store, fills them from the model (or from a ``lazy_init`` record, module by module)
 and reads or writes parameter values by chunk (``gather_all``, ``scatter``: ``state_dict()``,
-checkpoints, loaders). Under several ranks it keeps only the chunks this rank owns, and reading a
-value is a collective. Parameters viewing their chunk on the device are ``pins.py``'s.
+checkpoints, loaders). Under several ranks every record of state is this rank's *piece* of its
+chunk (``offload.distributed.sharding``): reading a value is a collective that all-gathers the
+pieces, and the whole chunk modules compute with is a separate ``gathered`` record. Parameters
+viewing their chunk on the device are ``pins.py``'s.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class ChunkedParams:
     """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model.
 
     ``placeholder``: what a parameter's ``.data`` is when no chunk is viewed (``ParamViews``).
-    Under data parallelism, ``sharding`` says which chunks this rank keeps, and ``comms`` (on
-    ``comm_device``) brings the others' values when they are read.
+    Under data parallelism, ``sharding`` says which piece of every chunk this rank keeps, and
+    ``comms`` (on ``comm_device``) gathers the others' pieces when values are read.
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
@@ -52,11 +54,44 @@ class ChunkedParams:
         self.sharding = sharding
         self.comms = comms
         self.comm_device = comm_device
+        sized = [layout.chunk_numel(c) for c in range(layout.num_chunks)]
+        self.spans = [(0, n) if sharding is None else sharding.span(n) for n in sized]
+        # Per chunk: (param, start, end) of each parameter's part in this rank's piece, in offset order.
+        self._pieces = [self._clip_members(c) for c in range(layout.num_chunks)]
+        # What modules compute with and gradients are captured into: the chunk itself in one
+        # process, a whole (padded) chunk gathered from the pieces under several ranks.
+        self.compute_kind = "param" if sharding is None else "gathered"
+        self.capture_kind = "grad" if sharding is None else "grad_full"
         self._register_chunks()
 
-    def keeps(self, c: int) -> bool:
-        """Whether this rank stores chunk ``c`` (its parameters, master and optimizer state)."""
-        return self.sharding is None or self.sharding.owns(c)
+    # ---- geometry ------------------------------------------------------------
+    def span(self, c: int) -> tuple[int, int]:
+        """The elements of chunk ``c`` this rank's records hold (``(0, numel)`` in one process)."""
+        return self.spans[c]
+
+    def piece_numel(self, c: int) -> int:
+        lo, hi = self.spans[c]
+        return hi - lo
+
+    def whole_numel(self, c: int) -> int:
+        """Elements of chunk ``c`` as modules see it (padded to N equal pieces under N ranks)."""
+        n = self.layout.chunk_numel(c)
+        return n if self.sharding is None else self.sharding.padded(n)
+
+    def piece_members(self, c: int) -> list[tuple[nn.Parameter, int, int]]:
+        """``(param, start, end)``: the part of each of chunk ``c``'s parameters in this rank's
+        piece, as offsets into the piece, in offset order (parameters outside it left out)."""
+        return self._pieces[c]
+
+    def _clip_members(self, c: int) -> list[tuple[nn.Parameter, int, int]]:
+        lo, hi = self.spans[c]
+        out = []
+        for p in self.chunk_members[c]:
+            s = self.refs[id(p)].slot
+            a, b = max(s.offset, lo), min(s.end, hi)
+            if a < b:
+                out.append((p, a - lo, b - lo))
+        return out
 
     def ref(self, p: nn.Parameter) -> ParamRef:
         return self.refs[id(p)]
@@ -65,19 +100,22 @@ class ChunkedParams:
         return id(p) in self.refs
 
     def _register_chunks(self) -> None:
-        sizes = dict(enumerate(self.layout.sizes))
-        self.store.register_chunks("param", {c: n for c, n in sizes.items() if self.keeps(c)}, self.dtype)
-        borrowed = {c: n for c, n in sizes.items() if not self.keeps(c)}
-        if borrowed:    # held only while gathered from their owners: never written down
-            self.store.register_chunks("param", borrowed, self.dtype, nvme=False)
+        chunks = range(self.layout.num_chunks)
+        self.store.register_chunks("param", {c: self.piece_numel(c) for c in chunks}, self.dtype)
+        if self.sharding is not None:   # held only while gathered: never written down
+            self.store.register_chunks(self.compute_kind, {c: self.whole_numel(c) for c in chunks}, self.dtype,
+                                       nvme=False)
         if self.has_master:
             # Frozen chunks never change: their compute-precision parameters are all they need.
-            self.store.register_chunks("master", self.trainable_sizes(kept_only=True), torch.float32)
+            self.store.register_chunks("master", self.trainable_sizes(), torch.float32)
 
-    def trainable_sizes(self, kept_only: bool = False) -> dict[int, int]:
-        """``{chunk: elements}`` of the chunks that hold trainable parameters (``kept_only``:
-        those this rank stores)."""
-        return {c: self.layout.sizes[c] for c in self.layout.trainable_chunks if not kept_only or self.keeps(c)}
+    def trainable_sizes(self) -> dict[int, int]:
+        """``{chunk: elements of this rank's piece}`` of the chunks that hold trainable parameters."""
+        return {c: self.piece_numel(c) for c in self.layout.trainable_chunks}
+
+    def trainable_whole_sizes(self) -> dict[int, int]:
+        """``{chunk: elements as modules see it}`` of the chunks that hold trainable parameters."""
+        return {c: self.whole_numel(c) for c in self.layout.trainable_chunks}
 
     def master_kind(self, c: int) -> str:
         """The kind holding chunk ``c``'s most precise values: its fp32 master, or (fp32 compute,
@@ -88,21 +126,23 @@ class ChunkedParams:
         """Copy each parameter's current values into its chunks, chunk by chunk, then drop them.
 
         Only one chunk's worth of new storage exists at a time beyond what the tiers hold, so a
-        model can be moved in even when its chunks do not all fit in memory at once.
+        model can be moved in even when its chunks do not all fit in memory at once. Under
+        several ranks every rank has the whole model: each copies in its piece.
         """
-        for c, members in enumerate(self.chunk_members):
-            values = {id(p): p.data for p in members}
+        for c in range(self.layout.num_chunks):
+            lo = self.spans[c][0]
 
-            def fill(view, kind_dtype, values=values, members=members):
-                for p in members:
+            def fill(view, kind_dtype, c=c, lo=lo):
+                view.zero_()        # padding and gaps: zeros in every kind
+                for p, start, end in self._pieces[c]:
                     s = self.ref(p).slot
-                    view[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(kind_dtype))
+                    src = p.data.reshape(-1)[start + lo - s.offset:end + lo - s.offset]
+                    view[start:end].copy_(src.to(kind_dtype))
 
-            if self.keeps(c):
-                self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
-                if self.master_kind(c) == "master":
-                    self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
-            for p in members:
+            self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
+            if self.master_kind(c) == "master":
+                self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
+            for p in self.chunk_members[c]:
                 p.data = self._placeholder
 
     def fill_lazily(self, tier: str, record, model: nn.Module) -> None:
@@ -167,10 +207,6 @@ class ChunkedParams:
             real = [p for p in members if p.numel() == self.ref(p).slot.numel and p.numel() > 0]
             if not real:
                 continue
-            if not self.keeps(c):
-                for p in real:
-                    p.data = self._placeholder
-                continue
             values = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32, device="cpu")
             for p in real:
                 s = self.ref(p).slot
@@ -182,11 +218,22 @@ class ChunkedParams:
         return [self.ref(p).name for p in self.chunk_members[c]]
 
     def _initialize_chunk(self, c: int, values: torch.Tensor, tier: str) -> None:
-        if not self.keeps(c):
-            return
-        self.store.initialize(("param", c), tier, lambda v: v.copy_(values.to(self.dtype)))
+        """Chunk ``c``'s records from ``values``, the whole chunk in fp32 (this rank's piece of it)."""
+        piece = self.piece_of(c, values)
+        self.store.initialize(("param", c), tier, lambda v: v.copy_(piece.to(self.dtype)))
         if self.master_kind(c) == "master":
-            self.store.initialize(("master", c), tier, lambda v: v.copy_(values))
+            self.store.initialize(("master", c), tier, lambda v: v.copy_(piece))
+
+    def piece_of(self, c: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``whole`` (chunk ``c``'s values, ``numel`` of them), zeros past its end."""
+        lo, hi = self.spans[c]
+        if lo == 0 and hi == whole.numel():
+            return whole
+        piece = torch.zeros(hi - lo, dtype=whole.dtype, device=whole.device)
+        end = min(hi, whole.numel())
+        if end > lo:
+            piece[:end - lo].copy_(whole[lo:end])
+        return piece
 
     # ---- values (state_dict) ------------------------------------------------
     def gather_all(self, kind: str | None = None, params=None) -> dict[int, torch.Tensor]:
@@ -196,7 +243,7 @@ class ChunkedParams:
         does optimizer state of a frozen chunk (it has none).
 
         Under several ranks this is a collective (every rank calls it with the same arguments):
-        each chunk comes from its owner by broadcast, and every rank gets every value."""
+        each chunk is all-gathered from the pieces, and every rank gets every value."""
         wanted = None if params is None else {id(p) for p in params}
         out = {}
         bufs: dict[str, torch.Tensor] = {}
@@ -212,7 +259,7 @@ class ChunkedParams:
             else:
                 if k not in bufs:
                     bufs[k] = self._staging(k)
-                chunk = self._from_owner((k, c), bufs[k])
+                chunk = self.read_whole((k, c), bufs[k])
             for p in members:
                 s = self.ref(p).slot
                 value = chunk[s.offset:s.end].view(s.shape)
@@ -220,8 +267,9 @@ class ChunkedParams:
         return out
 
     def scatter(self, values: dict[int, torch.Tensor], kinds=None) -> None:
-        """Write new values (``{id(param): tensor}``) into chunks of ``kinds`` (default: the param
-        and master chunks), reading and writing each chunk once."""
+        """Write new values (``{id(param): tensor}``, on every rank under several ranks) into
+        chunks of ``kinds`` (default: the param and master chunks), reading and writing each
+        chunk (this rank's piece of it) once."""
         if kinds is None:
             kinds = ["param"] + (["master"] if self.has_master else [])
         by_chunk: dict[int, list] = {}
@@ -230,38 +278,40 @@ class ChunkedParams:
                 by_chunk.setdefault(self.ref(p).slot.chunk, []).append(p)
         bufs = {kind: self._staging(kind) for kind in kinds}
         for c, members in by_chunk.items():
-            if not self.keeps(c):
-                continue        # its owner writes it
+            wanted = {id(p) for p in members}
+            lo = self.spans[c][0]
             for kind in kinds:
                 if (kind, c) not in self.store.records:
                     continue        # a frozen chunk has no master or optimizer state
                 chunk = self._read_or_zeros((kind, c), bufs[kind])
-                for p in members:
-                    s = self.ref(p).slot
-                    chunk[s.offset:s.end].copy_(values[id(p)].reshape(-1).to(chunk.dtype))
+                for p, start, end in self._pieces[c]:
+                    if id(p) in wanted:
+                        s = self.ref(p).slot
+                        src = values[id(p)].reshape(-1)[start + lo - s.offset:end + lo - s.offset]
+                        chunk[start:end].copy_(src.to(chunk.dtype))
                 self.store.write((kind, c), chunk)
 
     def _has_kind(self, kind: str, c: int) -> bool:
-        """Whether chunk ``c`` has state of ``kind`` (on its owner): the same answer on every rank."""
+        """Whether chunk ``c`` has state of ``kind``: the same answer on every rank."""
         if kind == "param":
             return True
         if kind == "master":
             return self.has_master and self.layout.trainable[c]
         return self.layout.trainable[c]
 
-    def _from_owner(self, key, buf: torch.Tensor) -> torch.Tensor:
-        """Chunk ``key``'s values on the CPU: read here, or (another rank's) broadcast by its owner."""
+    def read_whole(self, key, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk ``key``'s values on the CPU, all ``numel`` of them: read here, or (several ranks,
+        a collective) all-gathered from every rank's piece. A FREE record reads as zeros."""
         kind, c = key
+        if buf is None:
+            buf = self._staging(kind)
+        piece = self._read_or_zeros(key, buf)
         if self.sharding is None:
-            return self._read_or_zeros(key, buf)
-        if self.keeps(c):
-            chunk = self._read_or_zeros(key, buf)
-        else:
-            dtype = self.dtype if kind == "param" else torch.float32
-            chunk = torch.empty(self.layout.chunk_numel(c), dtype=dtype)
-        moved = chunk if self.comm_device.type == "cpu" else chunk.to(self.comm_device)
-        self.comms.wait(self.comms.broadcast(moved, self.sharding.owner(c)), f"gathering chunk {key}")
-        return moved if moved is chunk else moved.cpu()
+            return piece
+        whole = torch.empty(self.whole_numel(c), dtype=piece.dtype, device=self.comm_device)
+        moved = piece if self.comm_device.type == "cpu" else piece.to(self.comm_device)
+        self.comms.wait(self.comms.all_gather(whole, moved), f"gathering chunk {key}")
+        return whole[:self.layout.chunk_numel(c)].cpu()
 
     def _staging(self, kind: str) -> torch.Tensor:
         # One buffer per call, reused chunk after chunk: the values are cloned out of it, and

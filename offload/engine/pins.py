@@ -33,8 +33,9 @@ class ParamViews:
     """Which device buffer each chunk's parameters view, on compute tier ``tier``."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, dtype: torch.dtype,
-                 device: torch.device, tier: str):
+                 device: torch.device, tier: str, kind: str = "param"):
         self.tier = tier
+        self.kind = kind        # the chunks parameters view: "param", or "gathered" under several ranks
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.members: list[list] = [[] for _ in range(layout.num_chunks)]    # chunk -> [(param, slot)]
         for name, p in named:
@@ -64,7 +65,7 @@ class ParamViews:
 
     def on_store_free(self, key, tier: str) -> None:
         """The store's ``on_free``: a copy's buffer goes back to its tier."""
-        if key[0] == "param" and tier == self.tier:
+        if key[0] == self.kind and tier == self.tier:
             self.detach(key[1])
 
 
@@ -79,6 +80,7 @@ class DevicePins:
         self.store = store
         self.views = views
         self.tier = views.tier
+        self.kind = views.kind
         self.prefetcher = prefetcher
         self.policy = policy
         self.tracer = tracer
@@ -107,7 +109,7 @@ class DevicePins:
         """Pin chunk ``c`` on the device (its parameters view it); the first pin fetches it and
         starts fetching what the trace says comes next."""
         if self.counts[c] == 0:
-            key = ("param", c)
+            key = (self.kind, c)
             hit = self.store.landed(key, self.tier)
             with self.tracer.span(f"fetch param {c}", "wait", chunk=c, hit=hit):
                 view = self.store.access(key, self.tier)
@@ -122,12 +124,12 @@ class DevicePins:
         self.counts[c] -= 1
         if self.counts[c]:
             return False
-        self.store.release(("param", c), self.tier)
+        self.store.release((self.kind, c), self.tier)
         return True
 
     def view(self, c: int) -> torch.Tensor | None:
         """Chunk ``c``'s device copy (use only under a pin)."""
-        return self.store.view(("param", c), self.tier)
+        return self.store.view((self.kind, c), self.tier)
 
     def begin_iteration(self) -> None:
         """A forward starts a new iteration: the last one's order becomes the trace to follow."""
@@ -138,14 +140,16 @@ class DevicePins:
     def deadline(self, c: int) -> float:
         """When the next iteration first uses chunk ``c`` (trace position; chunk order before a trace)."""
         trace = self.prefetcher.trace
-        return trace.next_use(("param", c), 0) if trace is not None else float(c)
+        return trace.next_use((self.kind, c), 0) if trace is not None else float(c)
 
     def _fetch_ahead(self, c: int, hit: bool) -> None:
         self.prefetcher.record_hit(hit)
-        upcoming = self.prefetcher.on_access(("param", c))
+        upcoming = self.prefetcher.on_access((self.kind, c))
         if isinstance(self.policy, NextUsePolicy):
             self.policy.position = self.prefetcher.position
         for key in upcoming:
-            if key[0] == "param" and self.pending(key[1]):
+            if key[0] != "param":
+                continue        # a gathered chunk comes by its collective (``ChunkGather``), not by a read
+            if self.pending(key[1]):
                 continue        # its update writes the new values in memory; a read now would be stale
             self.store.prefetch(key, "device")

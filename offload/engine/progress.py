@@ -35,8 +35,3 @@ class StepProgress:
         self.in_backward = False
         self.eager = False                  # updates run as gradient chunks complete (pipeline)
         self.final_micro_batch = False      # the backward running ends the window (pipeline)
-
-    def forget(self, c: int) -> None:
-        """Chunk ``c``'s gradients went to the rank that owns it: nothing of it to update here."""
-        self.grad_chunks.discard(c)
-        self.sumsq.pop(c, None)

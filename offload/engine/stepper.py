@@ -1,6 +1,6 @@
 """The per-chunk optimizer: native Adam over each chunk's fp32 master, exp_avg and exp_avg_sq.
 
-For chunk ``c`` it pins grad/master/exp_avg/exp_avg_sq on the CPU tier (their fetches were
+For chunk ``c`` (this rank's piece of it under several ranks) it pins grad/master/exp_avg/exp_avg_sq on the CPU tier (their fetches were
 started ahead), runs the SIMD kernel over runs of parameters that share hyper-parameters and
 step count, writes the new compute-precision parameters into the CPU parameter chunk in the
 same pass, and unpins (the store writes state back down when a tier needs the room). A worker
@@ -123,11 +123,13 @@ class ChunkAdam:
         """(start, end, hyper, step) runs of consecutive parameters of chunk ``c`` updated together.
 
         A parameter without a gradient this step is skipped, as torch skips it; padding between
-        merged parameters holds zeros in every kind, which Adam maps to zeros.
+        merged parameters holds zeros in every kind, which Adam maps to zeros. Offsets are in this
+        rank's piece of the chunk (the whole chunk in a single process): a parameter that crosses
+        a piece boundary is updated in part here, the rest on the neighbouring rank.
         """
         out: list[list] = []
         params = self.params
-        for p in params.chunk_members[c]:
+        for p, start, end in params.piece_members(c):
             ref = params.ref(p)
             if ref.index not in with_grad or ref.index not in groups:   # no gradient, or not ours to update
                 out.append(None)
@@ -135,15 +137,13 @@ class ChunkAdam:
             h, step = groups[ref.index], self.steps[ref.index] + 1
             last = out[-1] if out else None
             if last is not None and last[2] == h and last[3] == step:
-                last[1] = ref.slot.end
+                last[1] = end
             else:
-                out.append([ref.slot.offset, ref.slot.end, h, step])
+                out.append([start, end, h, step])
         return [tuple(r) for r in out if r is not None]
 
     def prefetch(self, c: int) -> None:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
-        if not self.params.keeps(c):
-            return      # another rank's chunk: its owner updates it
         kinds = ["grad", "master" if self.params.has_master else "param", *STATE_KINDS]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
@@ -197,12 +197,11 @@ class ChunkAdam:
     def _copy_skipped(self, c, master, out, runs) -> None:
         # Runs and parameters are both in offset order: walk them together.
         i = 0
-        for p in self.params.chunk_members[c]:
-            s = self.params.ref(p).slot
-            while i < len(runs) and runs[i][1] <= s.offset:
+        for _, start, end in self.params.piece_members(c):
+            while i < len(runs) and runs[i][1] <= start:
                 i += 1
-            if i == len(runs) or runs[i][0] > s.offset:
-                out[s.offset:s.end].copy_(master[s.offset:s.end])
+            if i == len(runs) or runs[i][0] > start:
+                out[start:end].copy_(master[start:end])
 
     def commit_steps(self, with_grad: set[int]) -> None:
         for i in with_grad:

@@ -1,7 +1,7 @@
 """When each chunk's update runs: the update queue, and what happens to a final gradient chunk.
 
 A gradient chunk is *final* for the window once every trainable parameter in it has its
-gradient (and, under several ranks, once it is reduced to the rank that owns it).
+gradient (and, under several ranks, once it is reduce-scattered: this rank's piece of it).
 ``ReadyGradients.take`` gets it. When nothing needs every gradient first (no clipping, no fp16
 overflow check, the last micro-batch of the window) the backward is *eager*: the chunk's update
 is queued on the CPU Adam at once (``UpdateQueue.submit``), or as soon as nothing reads its
@@ -115,17 +115,17 @@ class ReadyGradients:
         self.holds = holds
         self.on_compute = on_compute
 
-    def take(self, c: int, view: torch.Tensor, *, reduced: bool = True) -> None:
-        """Chunk ``c``'s gradients (``view``, pinned on the device) are final for this window:
-        ``reduced`` says they are this rank's to update (always, in a single process)."""
+    def take(self, c: int, view: torch.Tensor) -> None:
+        """Chunk ``c``'s gradients (``view``, pinned on the device: this rank's piece under
+        several ranks) are final for this window."""
         p = self.progress
-        if not p.eager and reduced:
+        if not p.eager:
             # The update waits for backward: clipping or overflow checks need the norm.
             with self.on_compute():
                 v = view if view.dtype == torch.float32 else view.float()
                 p.sumsq[c] = torch.dot(v, v)
         self.store.release(("grad", c), "device", dirty=True)
-        if not (p.eager and reduced):
+        if not p.eager:
             return
         p.applied = True
         if c in p.parked:

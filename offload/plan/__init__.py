@@ -4,11 +4,12 @@ which way to a batch (activations kept, parked, or accumulated over micro-batche
 ``plan(model, Hardware(...), Policy(...))`` is pure arithmetic over figures someone measured or
 stated: nothing in it measures, allocates or touches a device. It models what ``OffloadEngine``
 does, for one rank under data parallelism (``Policy.world`` ranks, ``local_world`` of them on
-this box; ZeRO-3 as ``offload.distributed`` does it): the chunk layout is the whole model's, the
-rank owns every world-th chunk — their parameters, gradients after the reduce-scatter, master,
-moments, NVMe slots and Adam work — and computes on batch_tokens / world tokens per step; the
-device still sees every parameter (all-gathered before use). The ranks on one box share its RAM,
-NVMe drives and CPU cores evenly; each has a GPU of its own.
+this box; ZeRO-3 as ``offload.distributed`` does it): the chunk layout is the whole model's and
+does not depend on world, the rank holds a 1/world piece of every chunk — its parameters,
+gradients after the reduce-scatter, master, moments, NVMe slots and Adam work — and computes on
+batch_tokens / world tokens per step; the device still sees every parameter chunk whole
+(all-gathered before use), and the collectives' bytes cross the rank's link at ``net_gbps``. The
+ranks on one box share its RAM, NVMe drives and CPU cores evenly; each has a GPU of its own.
 
 Units: bytes, seconds, parameters (elements); bandwidths in GB/s and compute in TFLOPS, both
 decimal (1 GB/s = 1e9 bytes/s).
@@ -24,7 +25,7 @@ Modules, in the order a plan is made:
 * ``memory`` — the budgets ("auto" as the engine resolves it), the bytes each tier holds by kind,
   the NVMe space, and why a plan does not fit.
 * ``step_time`` — the bytes a step moves (NVMe, PCIe, collectives) and the predicted step time
-  with its bottleneck.
+  with its bottleneck (compute, PCIe, NVMe, Adam or the interconnect).
 * ``planner`` — ``plan``: runs the above and gathers them in a ``Plan`` (``to_json_dict`` is the
   JSON of ``offload plan --json``).
 * ``choice`` — ``choose``: plans every way to the batch and takes the fastest that fits.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .choice import choice_json, choose
-from .figures import ASSUMED_PCIE_GBPS, gather_hardware
+from .figures import ASSUMED_NET_GBPS, ASSUMED_PCIE_GBPS, gather_hardware
 from .defaults import BATCH_TOKENS, SEQ_LEN
 from .flags import (default_seq_len, describe_models, lora_targets, positive_int_flag, rate, size, size_flag,
                     whole)
@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pcie-gbps", type=rate,
       help=f"host<->GPU GB/s each way (default: measured, or {ASSUMED_PCIE_GBPS:g})")
     a("--adam-params-per-s", type=rate, help="CPU Adam throughput, parameters/s")
+    a("--net-gbps", type=rate, help=f"with --world > 1: each rank's collective bandwidth, GB/s each way as NCCL's "
+                                    f"bus bandwidth, the slowest link between the ranks (default: assumed "
+                                    f"{ASSUMED_NET_GBPS:g}, a 200 Gb/s NIC per GPU; NVLink within one box is more)")
     a("--adam-bench", metavar="FILE", help="read Adam params/s from saved `offload bench adam --json` output")
     a("--batch-tokens", type=whole, default=BATCH_TOKENS,
       help=f"tokens per step, all ranks together (default {BATCH_TOKENS}, as `offload finetune`)")

@@ -38,6 +38,7 @@ from .inputs import Hardware
 from .model import resolve_model
 
 ASSUMED_PCIE_GBPS = 25.0          # PCIe Gen4 x16 with pinned buffers, each way
+ASSUMED_NET_GBPS = 25.0           # a 200 Gb/s NIC per GPU between boxes: NCCL's bus GB/s a rank
 ASSUMED_ADAM_PARAMS_PER_S = 4e9   # a fused CPU AdamW on a server socket (~110 GB/s at 28 B/param)
 ASSUMED_GPU_TFLOPS = ((16 << 30, 50.0),     # up to 16 GiB: T4, V100-16G class
                       (24 << 30, 100.0),    # up to 24 GiB: L4, A10, RTX 4090 class
@@ -49,11 +50,11 @@ described by its memory only and there is none here to measure: a conservative f
 class, about 60-70% of the datasheet's. Give ``--gpu-tflops`` (``offload bench step`` measures it)."""
 
 FIGURES = ("gpu_mem", "gpu_tflops", "cpu_mem", "cpu_gflops", "pcie_gbps", "nvme_capacity", "nvme_gbps",
-           "nvme_write_gbps", "nvme_bench", "adam_params_per_s", "adam_bench")
+           "nvme_write_gbps", "nvme_bench", "adam_params_per_s", "adam_bench", "net_gbps")
 """The machine figures: ``hardware_for``'s keywords and, dashed, ``offload plan``'s flags."""
 PLAN_FLAGS = {name: "--" + name.replace("_", "-") for name in (*FIGURES, "no_cache")}
 """``offload plan``'s flag for each figure, and for ``cache=False``."""
-_RATES = ("nvme_gbps", "nvme_write_gbps", "gpu_tflops", "cpu_gflops", "pcie_gbps", "adam_params_per_s")
+_RATES = ("nvme_gbps", "nvme_write_gbps", "gpu_tflops", "cpu_gflops", "pcie_gbps", "adam_params_per_s", "net_gbps")
 
 
 def assumed_gpu_tflops(gpu_mem: int) -> float:
@@ -140,6 +141,9 @@ class _Gather:
         cpu_mem = self._ram(f, describe)
         capacity, read, write, where = self._nvme(f, describe)
         adam = self._adam(f, describe)
+        # Not measured here: one box cannot see the links between boxes.
+        net, self.src["net_gbps"] = ((f["net_gbps"], "given") if f["net_gbps"] is not None else
+                                     (ASSUMED_NET_GBPS, "assumed (a 200 Gb/s NIC per GPU)"))
         if self.missing:
             raise OffloadError("to describe another box, give " + "; ".join(self.missing))
         if self.cache.hits:
@@ -147,7 +151,7 @@ class _Gather:
             self.notes.append(f"{', '.join(self.cache.hits)}: measured on this box before, read from "
                               f"{self.cache.path}{again}")
         hw = Hardware(gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_capacity=capacity, nvme_read_gbps=read,
-                      nvme_write_gbps=write, pcie_gbps=pcie, compute_tflops=tflops,
+                      nvme_write_gbps=write, pcie_gbps=pcie, net_gbps=net, compute_tflops=tflops,
                       adam_params_per_s=adam, nvme_where=where)
         return hw, self.src, self.notes
 

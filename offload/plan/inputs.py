@@ -44,6 +44,10 @@ class Hardware:
     """Aggregate NVMe write bandwidth, GB/s."""
     pcie_gbps: float = 25.0
     """Host<->GPU bandwidth each way with pinned buffers, GB/s (Gen4 x16 ~25; ignored without a GPU)."""
+    net_gbps: float = 25.0
+    """Each rank's collective bandwidth under data parallelism, GB/s each way as NCCL reports it
+    ("bus bandwidth"): the slowest link a ring of the ranks crosses — a 200 Gb/s NIC per GPU between
+    boxes ~25, NVLink within one box far more. Unused by a single process."""
     compute_tflops: float
     """Achieved dense matmul rate of the compute device in the plan's dtype, TFLOPS."""
     adam_params_per_s: float
@@ -59,6 +63,7 @@ class Hardware:
             _positive(self, name, allow_zero=True)
         _positive(self, "compute_tflops")
         _positive(self, "adam_params_per_s")
+        _positive(self, "net_gbps")
         if self.gpu_mem is not None and self.pcie_gbps <= 0:
             raise ConfigError("pcie_gbps", self.pcie_gbps, "a GPU box needs a host<->GPU bandwidth > 0")
 
@@ -95,8 +100,8 @@ class Policy:
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     """Projections that get LoRA adapters (of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
     world: int = 1
-    """Ranks training the model together (ZeRO-3 data parallelism): each owns 1/world of the chunks
-    and computes on batch_tokens / world tokens of every step; the plan is one rank's."""
+    """Ranks training the model together (ZeRO-3 data parallelism): each holds a 1/world piece of
+    every chunk and computes on batch_tokens / world tokens of every step; the plan is one rank's."""
     local_world: int = 1
     """Of those, the ranks on this box: they share its RAM, NVMe drives and CPU cores evenly; each
     has a GPU of its own (``Hardware.gpu_mem`` is one GPU's)."""
@@ -141,8 +146,8 @@ class Policy:
 
 def rank_share(hw: Hardware, local_world: int) -> Hardware:
     """One rank's share of a box that ``local_world`` ranks train on: its RAM, NVMe space and
-    bandwidth, CPU Adam rate (and, without a GPU, its compute) divided evenly; GPU memory, compute
-    and PCIe stay (a GPU per rank)."""
+    bandwidth, CPU Adam rate (and, without a GPU, its compute) divided evenly; GPU memory, compute,
+    PCIe and the collective bandwidth stay (a GPU per rank; ``net_gbps`` is already a rank's)."""
     if local_world == 1:
         return hw
     cpu_only = hw.gpu_mem is None

@@ -11,26 +11,28 @@ whether it all fits (bytes throughout).
   RAM. ``cpu_budget``: chunks of every kind in RAM; NVMe I/O goes straight into them (no staging).
   Not given: the engine's "auto" (``offload.tiers.budgets``): GPU 50% of its (free) memory, a
   CPU-only device 25% of available RAM; CPU 50% of the RAM the device did not take.
-* Minimums: the engine's own (``tiers.budgets.min_device_bytes`` / ``min_cpu_bytes``): the device
-  holds the largest chunk and 2 bulk chunks, parameters and fp32 gradients, at once (the tied
-  embedding's and a module's that may straddle two), the CPU one chunk of each kind for the
-  optimizer (18 B x the largest chunk in bf16).
+* Minimums: the engine's own (``tiers.budgets.min_device_bytes_sharded`` / ``min_cpu_bytes``): the
+  device holds the largest chunk and 2 bulk chunks, parameters and fp32 gradients, at once (the tied
+  embedding's and a module's that may straddle two) — under several ranks, whole gathered chunks and
+  gradient chunks being reduce-scattered as well, a number that does not depend on the ranks; the
+  CPU one chunk (one rank's piece of it) of each kind for the optimizer (18 B x the largest in bf16).
 * Placement: the device keeps as many parameter chunks as fit beside a layer's gradient chunks
   (all of them: "resident"); the CPU keeps, beyond two chunk sets of working room (the chunk Adam
   updates and the next one's prefetch), parameters first (read every step), then master,
   ``exp_avg``, ``exp_avg_sq`` (and whole gradients when the step is deferred or micro-batches
   accumulate into them). With NVMe paths every chunk of every kind has a slot reserved up front:
   NVMe space needed = all chunks.
-* Under data parallelism the figures are one rank's: the state of the chunks it owns, on its share
-  of the box (``inputs.rank_share``); the device still holds every parameter chunk it uses, gathered.
+* Under data parallelism the figures are one rank's: its piece (1/world) of every chunk's state, on
+  its share of the box (``inputs.rank_share``); the device still holds every parameter chunk it
+  uses whole, all-gathered from the pieces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, min_cpu_bytes,
-                             min_device_bytes_sharded)
+from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, GATHERED_CHUNKS,
+                             REDUCING_CHUNKS, min_cpu_bytes, min_device_bytes_sharded)
 from ..units import format_size
 from .activations import ActivationPlacement, activation_problems
 from .inputs import Hardware, Policy
@@ -78,7 +80,8 @@ class Memory:
     total: dict
     """Bytes of each kind in the rank's chunks (gradients, master and moments of trainable ones only)."""
     all_params: int
-    """Parameter bytes of every chunk of the model: what the device sees, gathered."""
+    """Parameter bytes of every chunk of the model (padded to the ranks' pieces): what the device
+    sees, gathered."""
     dev_params: int
     """Parameter bytes the device keeps beside a layer's gradient chunks."""
     device_min: int
@@ -115,7 +118,7 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, dtype_bytes:
     total = {k: (chunks.elems if k == "params" else chunks.trained) * b for k, b in per_elem.items()}
     set_bytes = chunks.largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
     state_bytes = sum(total.values())
-    all_params = chunks.all_elems * e              # what the device sees: every chunk, gathered
+    all_params = chunks.gathered_elems * e          # what the device sees: every chunk, gathered
     chunk, largest = chunks.chunk_size, chunks.largest
 
     # ---- the device tier: parameter chunks beside a layer's gradient chunks (+ activations, outside)
@@ -124,11 +127,12 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, dtype_bytes:
     layer_elems = min(-(-layer_params // chunk) * chunk, layer_params + chunk) + chunk
     grads_window = min(chunks.all_trained * 4, layer_elems * 4)
     dev_params = min(all_params, max(0, device_budget - grads_window))
-    device_min = min_device_bytes_sharded(chunk, e, largest, world)   # gathered groups under several ranks
+    device_min = min_device_bytes_sharded(chunk, e, largest, world)   # whole chunks: the same at any world
     tiers_device = {"params": dev_params, "grads": grads_window, "activations": placed.device_bytes}
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
-    cpu_min = max(min_cpu_bytes(chunks.largest_trained, e), largest * e)
+    # the rank's pieces pass through the CPU tier, never a whole chunk (the device gathers them)
+    cpu_min = max(min_cpu_bytes(chunks.largest_trained, e), chunks.largest_piece * e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     # consumed by Adam as they arrive, unless held whole
@@ -172,13 +176,15 @@ def fit_problems(hw: Hardware, po: Policy, mem: Memory, chunks: RankChunks, plac
             f"and 2 chunks of {chunks.chunk_size:,}, parameters and fp32 gradients "
             f"({format_size(mem.device_min)}): the "
             f"device holds the tied embedding's chunks and a module's (which may straddle two) at once"
-            + ("" if world == 1 else f", and under {world} ranks each chunk in use brings its group of {world}: "
-               "4 gathered parameter groups and 2 gradient groups being reduced"))
+            + ("" if world == 1 else f", and under {world} ranks (as under any number) whole chunks "
+               f"all-gathered and gradient chunks being reduce-scattered: {GATHERED_CHUNKS} gathered "
+               f"parameter chunks, {REDUCING_CHUNKS} gradient chunks in reduction and this rank's pieces in flight"))
     if cpu_budget < mem.cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
-            f"({format_size(mem.cpu_min)}: {largest:,} elements x {sum(mem.per_elem.values())} B) "
-            "that Adam needs at once")
+            f"({format_size(mem.cpu_min)}: {chunks.largest_trained:,} elements x {sum(mem.per_elem.values())} B"
+            + ("" if world == 1 else ", this rank's piece of the largest trainable chunk") +
+            ") that Adam needs at once")
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
         problems.append(
             f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "

@@ -1,12 +1,14 @@
 """The model as the engine would store it: its parameters in the order it packs them, and the chunks
 they fill — the whole model's layout (it does not depend on the number of ranks) and the part one
-rank owns.
+rank holds.
 
 Every kind of state is stored in chunks of one geometry (``offload.chunks.layout``): the chunk
 size is the engine's "auto" choice, at most min(32 Mi elements, device_budget / 32 B,
 cpu_budget / 48 B); a parameter larger than that (embedding, lm_head, a large matrix) gets a
 chunk of its own size, and padding counts. Frozen parameters (LoRA's base model) are packed in
-chunks of their own. Under data parallelism chunk c belongs to rank c % world.
+chunks of their own. Under data parallelism every chunk of ``numel`` elements is cut into world
+pieces of ceil(numel / world) elements (the last ones padded with zeros) and every rank holds one
+piece of each: 1/world of every kind of state, an oversized chunk's included.
 """
 
 from __future__ import annotations
@@ -66,16 +68,15 @@ def param_numels(cfg: LlamaConfig) -> list[int]:
 
 def chunk_sizes(cfg: LlamaConfig, device_budget: int, cpu_budget: int, chunk_size: int | None = None,
                 lora_rank: int | None = None, lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
-                layout: tuple[list[int], list[bool]] | None = None,
-                world: int = 1) -> tuple[int, list[int], list[bool]]:
+                layout: tuple[list[int], list[bool]] | None = None) -> tuple[int, list[int], list[bool]]:
     """``(chunk_size, [elements of each chunk], [whether it is trainable])`` the engine would lay out
     (``OffloadEngine.__init__``): bulk chunks of ``chunk_size``, one chunk of its own size per larger
-    parameter, frozen and trainable parameters in separate chunks; under ``world`` ranks an "auto"
-    size gives each at least one chunk where it can, as the engine's does."""
+    parameter, frozen and trainable parameters in separate chunks — the same at any number of ranks
+    (each holds a piece of every chunk)."""
     numels, trainable = layout or param_layout(cfg, lora_rank, lora_targets)
     if chunk_size is None:
         chunk_size = search_chunk_size(numels, max_chunk=auto_max_chunk(device_budget, cpu_budget),
-                                       trainable=trainable, min_chunks=world)
+                                       trainable=trainable)
     packing = pack(numels, chunk_size, PARAM_ALIGN, trainable)
     return chunk_size, packing.sizes, packing.trainable
 
@@ -87,9 +88,14 @@ def chunk_geometry(cfg: LlamaConfig, device_budget: int, cpu_budget: int,
     return chunk_size, len(sizes)
 
 
+def piece_elements(numel: int, world: int) -> int:
+    """Elements of one rank's piece of a chunk of ``numel`` elements among ``world`` ranks."""
+    return -(-numel // world)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankChunks:
-    """The chunk layout and the part of it one rank owns (elements)."""
+    """The chunk layout and the piece of every chunk one rank holds (elements)."""
 
     chunk_size: int
     """Elements of a bulk chunk."""
@@ -97,18 +103,24 @@ class RankChunks:
     """Elements of every chunk of the model, in chunk order (padding included)."""
     trainable: list[bool]
     """Per chunk: does it hold trainable parameters (and so gradient, master and moment chunks)?"""
+    world: int
+    """Ranks holding a piece of every chunk (1: one process holds every chunk whole)."""
     all_elems: int
     """Elements of all chunks."""
     all_trained: int
     """Elements of all trainable chunks."""
-    owned: int
-    """Chunks the rank owns."""
+    gathered_elems: int
+    """Elements of all chunks padded to ``world`` pieces: what the all-gathers assemble."""
+    gathered_trained: int
+    """The same for the trainable chunks: what the reduce-scatters take in."""
     elems: int
-    """Elements of the owned chunks."""
+    """Elements of the rank's pieces (of every chunk)."""
     trained: int
-    """Elements of the owned trainable chunks."""
+    """Elements of its pieces of the trainable chunks."""
     largest_trained: int
-    """Elements of the largest owned trainable chunk (0 if none)."""
+    """Elements of its largest piece of a trainable chunk (0 if none)."""
+    largest_piece: int
+    """Elements of its largest piece."""
 
     @property
     def largest(self) -> int:
@@ -118,15 +130,14 @@ class RankChunks:
 
 def rank_chunks(cfg: LlamaConfig, layout: tuple[list[int], list[bool]], device_budget: int, cpu_budget: int,
                 chunk_size: int | None, world: int) -> RankChunks:
-    """The chunks of ``layout`` (``param_layout``'s pair) and those of the rank that owns the most
-    elements (the one to plan for) among ``world`` ranks."""
-    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size, layout=layout,
-                                                world=world)
-    owner = max(range(world), key=lambda r: sum(sizes[r::world]))
-    own_sizes, own_trainable = sizes[owner::world], chunk_trainable[owner::world]
+    """The chunks of ``layout`` (``param_layout``'s pair) and one rank's pieces of them among
+    ``world`` ranks (every rank's are the same size)."""
+    chunk, sizes, chunk_trainable = chunk_sizes(cfg, device_budget, cpu_budget, chunk_size, layout=layout)
+    pieces = [piece_elements(size, world) for size in sizes]
+    trained = [p for p, t in zip(pieces, chunk_trainable) if t]
     return RankChunks(
-        chunk_size=chunk, sizes=sizes, trainable=chunk_trainable, all_elems=sum(sizes),
+        chunk_size=chunk, sizes=sizes, trainable=chunk_trainable, world=world, all_elems=sum(sizes),
         all_trained=sum(size for size, t in zip(sizes, chunk_trainable) if t),
-        owned=len(own_sizes), elems=sum(own_sizes),
-        trained=sum(size for size, t in zip(own_sizes, own_trainable) if t),
-        largest_trained=max((size for size, t in zip(own_sizes, own_trainable) if t), default=0))
+        gathered_elems=world * sum(pieces), gathered_trained=world * sum(trained),
+        elems=sum(pieces), trained=sum(trained), largest_trained=max(trained, default=0),
+        largest_piece=max(pieces))

@@ -32,7 +32,8 @@ class Plan:
     bytes_per_step: dict
     """{"nvme_read", "nvme_write", "pcie_h2d", "pcie_d2h"}: bytes per optimizer step (PCIe 0 without a GPU)."""
     step_terms_s: dict
-    """{"compute", "pcie", "nvme", "adam"}: seconds each would take alone."""
+    """{"compute", "pcie", "nvme", "adam", "interconnect"}: seconds each would take alone (the
+    interconnect's 0 for one process)."""
     predicted_step_s: float
     bottleneck: str
     fits: bool
@@ -130,7 +131,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "micro_batches": k, "micro_batch_tokens": micro,
         "activation_offload": po.activation_offload, "activation_placement": dataclasses.asdict(placed),
         "world": world, "local_world": po.local_world, "rank_tokens": rank_tokens,
-        "owned_chunks": chunks.owned, "collective_bytes": moved.collective, "adam_params": timing.adam_params,
+        "rank_elements": chunks.elems, "collective_bytes": moved.collective, "adam_params": timing.adam_params,
         "rank_hardware": dataclasses.asdict(hw),
     }
     return Plan(model=label, params=n, tiers=mem.tiers, nvme_bytes_needed=mem.nvme_needed,

@@ -30,12 +30,13 @@ def _ranks_text(p: Plan) -> list[str]:
         return []
     local = b["local_world"]
     coll = b["collective_bytes"]
-    return [f"data parallel: {world} ranks, {local} on this box; the plan below is one rank's: it owns "
-            f"{b['owned_chunks']} of the {b['num_chunks']} chunks and computes {b['rank_tokens']} tokens of each "
-            f"step; " + (f"the box's RAM, NVMe and CPU Adam below are split {local} ways" if local > 1 else
-                         "the box below is this rank's alone") + "; collectives per step "
-            f"(not timed): all-gather {format_size(coll['all_gather'])}, reduce-scatter "
-            f"{format_size(coll['reduce_scatter'])} per rank"]
+    return [f"data parallel: {world} ranks, {local} on this box; the plan below is one rank's: it holds a "
+            f"1/{world} piece of each of the {b['num_chunks']} chunks ({b['rank_elements']:,} elements) and "
+            f"computes {b['rank_tokens']} tokens of each step; "
+            + (f"the box's RAM, NVMe and CPU Adam below are split {local} ways" if local > 1 else
+               "the box below is this rank's alone") + "; collectives per step and rank (bus bytes, "
+            f"(N-1)/N of the whole chunks): all-gather {format_size(coll['all_gather'])}, reduce-scatter "
+            f"{format_size(coll['reduce_scatter'])}"]
 
 
 def format_plan(p: Plan, sources: dict | None = None) -> str:
@@ -60,6 +61,8 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
             ("NVMe free", f"{format_size(hw['nvme_capacity'])} at {hw['nvme_where']}", "nvme_capacity"),
             ("NVMe read/write", f"{hw['nvme_read_gbps']:.3g} / {hw['nvme_write_gbps']:.3g} GB/s", "nvme_gbps"),
             ("CPU Adam", f"{hw['adam_params_per_s'] / 1e9:.3g} G params/s", "adam_params_per_s")]
+    if b.get("world", 1) > 1:
+        rows.append(("interconnect", f"{hw['net_gbps']:.3g} GB/s a rank (bus)", "net_gbps"))
     for label, value, key in rows:
         lines.append(f"  {label:<16} {value:<36} {sources.get(key, '')}".rstrip())
 
@@ -99,25 +102,29 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
                    f"{' (incl. the checkpoint recompute, x4/3)' if po['activation_checkpointing'] else ''}",
         "pcie": "max(H2D, D2H): the link is full duplex" if gpu else "no GPU",
         "nvme": "read/GBps + write/GBps: the drives share reads and writes",
+        "interconnect": (f"all-gather + reduce-scatter bus bytes at {hw['net_gbps']:.3g} GB/s a rank, "
+                         "beside compute"),
         "adam": (f"{p.params / 1e9:.2f} G params at {hw['adam_params_per_s'] / 1e9:.3g} G params/s"
                  if b.get("world", 1) == 1 else
                  f"{b['adam_params'] / 1e9:.2f} G params (this rank's) at "
                  f"{b['rank_hardware']['adam_params_per_s'] / 1e9:.3g} G params/s (its share)"),
     }
+    beside = "compute, PCIe, NVMe" + (", interconnect" if b.get("world", 1) > 1 else "")
     if not gpu:
-        how = "compute + Adam + NVMe: without a GPU the same cores run all three and I/O waits stall compute"
+        how = ("compute + Adam + NVMe" if b.get("world", 1) == 1 else "max(compute + Adam + NVMe, interconnect)") \
+            + ": without a GPU the same cores run all three and I/O waits stall compute"
     elif po["defer_step"]:
-        how = "max(compute, PCIe, NVMe) + max(Adam, its NVMe): the step is deferred to after backward"
+        how = f"max({beside}) + max(Adam, its NVMe): the step is deferred to after backward"
     elif po.get("micro_batches", 1) > 1:
-        how = (f"{po['micro_batches'] - 1} micro-batches at max(compute, PCIe, NVMe) each, then the last "
+        how = (f"{po['micro_batches'] - 1} micro-batches at max({beside}) each, then the last "
                "beside the optimizer's NVMe traffic and Adam, which overlap only its backward")
     else:
         how = "max of the terms: Adam overlaps backward"
     lines += ["", f"predicted step time: {seconds(p.predicted_step_s)} ({how}); "
               f"{po['batch_tokens'] / p.predicted_step_s:,.0f} tokens/s"]
-    for term in ("compute", "pcie", "nvme", "adam"):
+    for term in ("compute", "pcie", "nvme", "adam") + (("interconnect",) if b.get("world", 1) > 1 else ()):
         mark = "  <- bottleneck" if term == p.bottleneck else ""
-        lines.append(f"  {term:<8} {seconds(t[term]):>10}   {why[term]}{mark}")
+        lines.append(f"  {term:<12} {seconds(t[term]):>10}   {why[term]}{mark}")
     lines.append("")
     if p.gpu_bound_batch_tokens is None:
         lines.append(f"bottleneck: {p.bottleneck} — the {'GPU' if gpu else 'CPU'} is already the limit")

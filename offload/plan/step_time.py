@@ -15,8 +15,13 @@
   I/O holding its lock, which stalls the compute thread's next fetch (measured: NVMe traffic adds
   its time to a CPU-only step rather than hiding under it). Compute is the training FLOPs at the
   measured rate, x 4/3 with activation checkpointing (each layer's forward runs again in backward).
-* Data parallelism: a rank uploads and updates only the chunks it owns; the all-gather and
-  reduce-scatter bytes are reported (``Traffic.collective``), not timed.
+* Data parallelism (sliced chunks): a rank uploads, stores and updates its 1/world piece of every
+  chunk; every parameter chunk the device takes in is all-gathered whole from the pieces (in the
+  forward, and again in the backward for what the device did not keep), and every gradient chunk
+  is reduce-scattered (each micro-batch), fp32. A ring moves (world - 1)/world of the whole chunk's
+  bytes through each rank's link (``Traffic.collective``, NCCL's "bus bytes"); at ``net_gbps`` that
+  is the interconnect term, which overlaps compute like PCIe and NVMe do (the collectives run on
+  their own thread and stream).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class Traffic:
     optimizer_nvme_read: int
     """What the update reads from NVMe (for fp32 compute also the parameters: they are the master)."""
     collective: dict
-    """{"all_gather", "reduce_scatter"}: bytes each rank receives per step."""
+    """{"all_gather", "reduce_scatter"}: bus bytes through each rank's link per step (sent, and as
+    many received): (world - 1)/world of the whole (padded) chunks gathered or reduced."""
 
 
 def traffic(mem: Memory, chunks: RankChunks, placed: ActivationPlacement, *, micro_batches: int,
@@ -57,12 +63,11 @@ def traffic(mem: Memory, chunks: RankChunks, placed: ActivationPlacement, *, mic
     """What the rank of ``chunks``, its state placed as ``mem``, moves in one step."""
     e, k, spill = mem.per_elem["params"], micro_batches, mem.spill
     all_params, dev_params = mem.all_params, mem.dev_params
-    share = chunks.elems / chunks.all_elems        # of the parameter stream, what this rank uploads
     # Rewritten on the CPU by the update, so even resident ones are fetched again; frozen ones the
     # device kept are not.
-    h2d_fwd = all_params - min(dev_params, (chunks.all_elems - chunks.all_trained) * e)
+    h2d_fwd = all_params - min(dev_params, (chunks.gathered_elems - chunks.gathered_trained) * e)
     h2d_bwd = all_params - dev_params                          # what the device could not keep
-    d2h = mem.total["grads"]             # under data parallelism: the owned chunks' reduced gradients
+    d2h = mem.total["grads"]             # under data parallelism: the rank's pieces of the reduced gradients
     pn = spill["params"]
     refetch = pn * h2d_bwd / all_params if all_params else 0
     opt_nvme = spill["master"] + spill["exp_avg"] + spill["exp_avg_sq"] + spill["grads"]
@@ -71,10 +76,10 @@ def traffic(mem: Memory, chunks: RankChunks, placed: ActivationPlacement, *, mic
     # backward), moves the gradients out and (to add into them) back in, re-reads spilled parameters
     # and gradients; parked activations go out and back once per micro-batch.
     streamed = h2d_fwd + h2d_bwd + (k - 1) * 2 * h2d_bwd     # parameter bytes the device takes in
-    # Each rank uploads its own chunks; the all-gather brings the others' (received, per rank).
-    h2d_params = streamed * share if world > 1 else streamed
+    # Each rank uploads its piece of every chunk streamed; the all-gather assembles the whole chunk.
+    h2d_params = streamed // world
     collective = {"all_gather": int(streamed * (world - 1) / world),
-                  "reduce_scatter": int(chunks.all_trained * 4 * k * (world - 1) / world)}
+                  "reduce_scatter": int(chunks.gathered_trained * 4 * k * (world - 1) / world)}
     grad_spill = (k - 1) * spill["grads"]
     act_host, act_spill = placed.host_bytes * k, placed.spill_bytes * k
     moved = {
@@ -93,7 +98,7 @@ class StepTime:
     """The predicted step (seconds) and what bounds it."""
 
     terms: dict
-    """{"compute", "pcie", "nvme", "adam"}: seconds each would take alone."""
+    """{"compute", "pcie", "nvme", "adam", "interconnect"}: seconds each would take alone."""
     predicted: float
     bottleneck: str
     gpu_bound_tokens: int | None
@@ -127,40 +132,49 @@ def step_time(cfg: LlamaConfig, hw: Hardware, po: Policy, moved: Traffic, chunks
         nvme_s = bps["nvme_read"] / (hw.nvme_read_gbps * GB) + bps["nvme_write"] / (hw.nvme_write_gbps * GB)
         opt_nvme_s = moved.optimizer_nvme_read / (hw.nvme_read_gbps * GB) + \
             moved.optimizer_nvme / (hw.nvme_write_gbps * GB)
-    # a rank updates the chunks it owns
+    # a rank updates its pieces (1/world of each trainable chunk, padding aside)
     adam_params = (trained_params * chunks.trained / chunks.all_trained if world > 1 and chunks.all_trained
                    else trained_params)
+    coll = moved.collective
+    net_s = (coll["all_gather"] + coll["reduce_scatter"]) / (hw.net_gbps * GB) if world > 1 else 0.0
     terms = {
         "compute": rank_tokens * compute_per_tok,
         "pcie": max(bps["pcie_h2d"], bps["pcie_d2h"]) / (hw.pcie_gbps * GB) if gpu else 0.0,
         "nvme": nvme_s,
         "adam": adam_params / hw.adam_params_per_s,
+        "interconnect": net_s,
     }
     # One micro-batch's share of what runs beside compute (the optimizer's own NVMe traffic aside).
-    per_micro = max(terms["compute"], terms["pcie"], nvme_s - opt_nvme_s) / k
+    per_micro = max(terms["compute"], terms["pcie"], nvme_s - opt_nvme_s, net_s) / k
     if gpu and not po.defer_step:
         # The update overlaps only the last micro-batch's backward (k = 1: max of the terms).
-        predicted = (k - 1) * per_micro + max(terms["compute"] / k, terms["pcie"] / k,
+        predicted = (k - 1) * per_micro + max(terms["compute"] / k, terms["pcie"] / k, net_s / k,
                                               (nvme_s - opt_nvme_s) / k + opt_nvme_s, terms["adam"])
         bottleneck = max(terms, key=terms.get)
-        others = max(terms["pcie"], terms["nvme"], terms["adam"])
+        others = max(terms["pcie"], terms["nvme"], terms["adam"], net_s)
         gpu_bound = None if bottleneck == "compute" else others / compute_per_tok
     elif gpu:
         # the optimizer (and its share of the disk) runs after the backward
-        during = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": nvme_s - opt_nvme_s}
+        during = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": nvme_s - opt_nvme_s,
+                  "interconnect": net_s}
         after = {"adam": terms["adam"], "nvme": opt_nvme_s}
         predicted = k * per_micro + max(after.values())
         parts = {"compute": terms["compute"], "pcie": terms["pcie"], "nvme": during["nvme"] + opt_nvme_s,
-                 "adam": terms["adam"]}
+                 "adam": terms["adam"], "interconnect": net_s}
         bottleneck = max(parts, key=parts.get)
-        others = max(during["pcie"], during["nvme"])
+        others = max(during["pcie"], during["nvme"], net_s)
         gpu_bound = None if terms["compute"] >= others else others / compute_per_tok
     else:
-        # one pair of cores runs the layers, Adam and the I/O path; store waits block the compute thread
-        predicted = terms["compute"] + terms["adam"] + terms["nvme"]
-        bottleneck = max(("compute", "adam", "nvme"), key=terms.get)
+        # one pair of cores runs the layers, Adam and the I/O path; store waits block the compute
+        # thread. The collectives wait on the network from their own thread meanwhile.
+        serial = terms["compute"] + terms["adam"] + terms["nvme"]
+        predicted = max(serial, net_s)
+        bottleneck = ("interconnect" if net_s > serial
+                      else max(("compute", "adam", "nvme"), key=terms.get))
         # compute leads once it is the largest of the three
-        gpu_bound = None if bottleneck == "compute" else max(terms["adam"], terms["nvme"]) / compute_per_tok
+        lead = max(terms["adam"], terms["nvme"])
+        gpu_bound = (None if bottleneck == "compute" else
+                     max(lead, net_s - terms["adam"] - terms["nvme"]) / compute_per_tok)
     # (tokens of the whole step: each rank computes 1/world of them)
     gpu_bound_tokens = None if gpu_bound is None else world * max(seq, math.ceil(gpu_bound / seq) * seq)
     return StepTime(terms=terms, predicted=predicted, bottleneck=bottleneck, gpu_bound_tokens=gpu_bound_tokens,

@@ -126,25 +126,52 @@ def min_device_bytes(chunk_elements: int, elem_bytes: int, largest_elements: int
     return (largest + 2 * chunk_elements) * (elem_bytes + 4)
 
 
-# Data parallel: parameter groups gathered at once (the window of 3 plus 1 prefetched), and
-# gradient groups being reduced at once (see offload.distributed.gather / reduce).
-GATHERED_GROUPS = 4
-REDUCING_GROUPS = 2
+# Data parallel (sliced chunks): what the engine holds on the device beside one process's working
+# set, whatever the number of ranks N (offload.distributed.gather / reduce): a window of gathered
+# chunks (the 3 a module may use at once, as in one process, and 1 prefetched), and gradient
+# chunks whose reduce-scatter is in flight while backward fills the next ones.
+GATHERED_CHUNKS = 4
+REDUCING_CHUNKS = 2
 
 
 def min_device_bytes_sharded(chunk_elements: int, elem_bytes: int, largest_elements: int | None,
                              world: int, grad_bytes: int = 4) -> int:
-    """``min_device_bytes`` under ``world`` ranks: each chunk in use brings its communication
-    group (one chunk per rank), so the window of gathered parameter groups and the gradient
-    groups being reduced hold ``world`` chunks each."""
-    largest = max(largest_elements or 0, chunk_elements)
-    one = min_device_bytes(chunk_elements, elem_bytes, largest_elements)
+    """``min_device_bytes`` under ``world`` ranks, each holding a 1/world piece of every chunk.
+
+    A chunk in use is all-gathered whole into one buffer, and a complete gradient chunk is
+    reduce-scattered whole into this rank's piece, so the device holds whole chunks however many
+    ranks there are: ``GATHERED_CHUNKS`` gathered parameter chunks, the 3 gradient chunks one
+    process fills at once and ``REDUCING_CHUNKS`` more being reduced (one of each may be the
+    oversized chunk), and this rank's pieces in flight — the parameter pieces two gathers read and
+    the gradient pieces two reductions write — counted at their largest (half a chunk, at 2
+    ranks). That figure does not depend on ``world``. Each whole buffer is also padded to
+    ``world`` pieces (< ``world`` elements); for chunks of an even size and
+    ``world <= chunk_elements // 16`` the pieces' allowance covers it (pieces shrink faster than
+    the padding grows), and beyond that the larger count at ``world`` is returned. One process
+    (``world`` 1) gathers and reduces nothing: ``min_device_bytes``. Bytes.
+    """
     if world <= 1:
-        return one
-    # One of the groups may be the oversized chunk's; the others hold bulk chunks.
-    gathered = (largest + (GATHERED_GROUPS - 1) * chunk_elements) * elem_bytes
-    reducing = (largest + (REDUCING_GROUPS - 1) * chunk_elements) * grad_bytes
-    return one + (world - 1) * (gathered + reducing)
+        return min_device_bytes(chunk_elements, elem_bytes, largest_elements)
+    largest = max(largest_elements or 0, chunk_elements)
+    at_two = _sliced_working_set(chunk_elements, largest, elem_bytes, grad_bytes, pieces_of=2, padded_to=1)
+    return max(at_two, _sliced_working_set(chunk_elements, largest, elem_bytes, grad_bytes,
+                                           pieces_of=world, padded_to=world))
+
+
+def _sliced_working_set(chunk: int, largest: int, elem_bytes: int, grad_bytes: int, *, pieces_of: int,
+                        padded_to: int) -> int:
+    """Bytes the device holds under sliced data parallelism: whole buffers padded to a multiple of
+    ``padded_to`` elements, and pieces of 1/``pieces_of`` of a chunk."""
+    def whole(n: int) -> int:
+        return -(-n // padded_to) * padded_to
+
+    def piece(n: int) -> int:
+        return -(-n // pieces_of)
+    gathered = (whole(largest) + (GATHERED_CHUNKS - 1) * whole(chunk)) * elem_bytes
+    filling = (whole(largest) + 2 * whole(chunk)) * grad_bytes
+    reducing = (whole(largest) + (REDUCING_CHUNKS - 1) * whole(chunk)) * grad_bytes
+    pieces = (piece(largest) + piece(chunk)) * (elem_bytes + grad_bytes)
+    return gathered + filling + reducing + pieces
 
 
 def min_cpu_bytes(chunk_elements: int, elem_bytes: int) -> int:

@@ -65,7 +65,7 @@ def main(spec: dict) -> dict:
               "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     if engine is not None:
         nvme = engine.store.memory_report()["tiers"].get("nvme", {})
-        result.update(kept=len(engine.chunks.chunks(kept_only=True)), chunks=engine.chunks.layout.num_chunks,
+        result.update(kept=sum(i.piece_numel for i in engine.chunks.chunks()), chunks=engine.chunks.layout.num_chunks,
                       nvme_bytes=sum(nvme.get("bytes_by_kind", {}).values()))
         engine.close()
     return result

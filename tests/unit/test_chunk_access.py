@@ -38,7 +38,7 @@ def test_metadata_is_what_the_engine_registered(dtype, frozen):
             registered = {k: rec.dtype for (k, c), rec in engine.store.records.items() if c == info.index and k != "grad"}
             assert dict(info.kinds) == registered
             assert info.nbytes("param") == engine.store.records[("param", info.index)].nbytes
-            assert info.owner == 0 and info.kept
+            assert info.span == (0, info.numel) and info.piece_numel == info.numel
             assert [s.name for s in info.params] == [s.name for s in chunks.layout.slots if s.chunk == info.index]
             assert info.used == max(s.end for s in info.params) <= info.numel
         assert chunks.kinds["param"] == {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -52,17 +52,20 @@ def test_oversized_and_frozen_chunks_are_split_evenly_over_the_ranks(world, cap,
         assert len(set(held)) == 1 and 0 <= held[0] * world - whole <= (world - 1) * len(chunks)
 
 
-def test_the_planner_lays_out_what_the_engine_does_under_n_ranks():
-    """The planner plans the engine's layout: a model one process packs into one chunk is split
-    for N ranks there too, so it plans a rank's share rather than rank 0 holding everything."""
+def test_the_planners_layout_does_not_depend_on_the_ranks_and_each_holds_a_piece_of_every_chunk():
+    """The planner plans the sliced layout: the chunks one process would lay out, at any N, and a
+    rank's piece of each (ceil(numel / N) elements) — a model packed into one chunk is still one
+    chunk, and a rank plans for 1/N of it rather than for the whole model or for nothing."""
     from offload.models.llama import get_preset
     from offload.plan.model import param_layout, rank_chunks
 
     cfg = get_preset("tiny")
     layout = param_layout(cfg, None, ("q_proj", "v_proj"))
-    budget = 1 << 40        # budgets far above the model: "auto" alone packs it into one chunk
-    assert len(rank_chunks(cfg, layout, budget, budget, None, 1).sizes) == 1
-    for world in (2, 4):
+    budget = 1 << 40        # budgets far above the model: "auto" packs it into one chunk
+    one = rank_chunks(cfg, layout, budget, budget, None, 1)
+    assert len(one.sizes) == 1 and one.elems == one.all_elems
+    for world in (2, 3, 4, 7):
         ranks = rank_chunks(cfg, layout, budget, budget, None, world)
-        assert len(ranks.sizes) >= world and ranks.owned >= 1
-        assert ranks.elems < ranks.all_elems, "one rank still plans for the whole model"
+        assert ranks.sizes == one.sizes and ranks.chunk_size == one.chunk_size
+        assert ranks.elems == -(-one.all_elems // world)
+        assert ranks.gathered_elems == world * ranks.elems < one.all_elems + world
