@@ -75,6 +75,8 @@ def summarize(results: list[dict], name: str) -> dict | None:
                                 [p["collectives"][i].get("by_op_received", {}) for p in parts])
                   for i in range(samples_n)]
         out["engine_matches_counter"] = all(checks) if any(any(es) for es in engine) else None
+        adam = [[e.get("adam_s") for e in es if e and e.get("adam_s") is not None] for es in engine]
+        out["adam_s_per_rank"] = [_median(a) if a else None for a in adam]
         out["layout"] = parts[0].get("layout")
     return out
 
@@ -148,6 +150,10 @@ def print_report(r: dict) -> None:
             print(f"engine      says sent {' / '.join(_mb(x and x.get('sent_bytes')) for x in e)} per rank: {agree}")
         else:
             print("engine      reports no collectives in offload_stats()")
+        adam = ours.get("adam_s_per_rank") or []
+        if adam and all(adam):
+            print(f"adam        {' / '.join(_ms(a) for a in adam)} per rank per step (each its piece of every "
+                  f"chunk): max/min {max(adam) / min(adam):.2f}")
     elif theirs:
         print(f"volume      FSDP2/ZeRO-3 {r['fsdp2_over_zero3']:.3f}")
     if ours and not ours.get("error"):

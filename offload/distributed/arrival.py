@@ -1,7 +1,7 @@
 """Whole-model collectives are called on every rank: each call first checks that every rank came.
 
-Under N ranks ``model.state_dict()`` and ``load_state_dict()`` are collectives (each chunk comes
-from its owner), as are ``save_checkpoint``, ``load_checkpoint`` and the exports. A call on some ranks only -- HF ``Trainer.save_model`` and ``save_pretrained``
+Under N ranks ``model.state_dict()`` and ``load_state_dict()`` are collectives (each chunk is
+all-gathered from the ranks' pieces), as are ``save_checkpoint``, ``load_checkpoint`` and the exports. A call on some ranks only -- HF ``Trainer.save_model`` and ``save_pretrained``
 run on rank 0 alone -- left the caller in a broadcast no peer issues while the peers went on:
 to the end of the script (then a misleading "rank 1 failed"), or into a collective of their own
 (accelerate's ``wait_for_everyone``, the next forward's gathers; the same after an

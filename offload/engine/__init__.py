@@ -23,7 +23,7 @@ A step through them reads like the paper, ``prefetch(j + 1); compute(j); evict(j
 1. **Forward.** The root module's pre-hook begins an iteration: the last one's chunk order
    becomes the trace. Before each module runs, its chunks are pinned on the device — first
    waiting for any update of theirs still queued from the last step (``UpdateQueue.wait``) and,
-   under several ranks, gathering them from their owners. Each first pin is an access in the
+   under several ranks, all-gathering them from the ranks' pieces. Each first pin is an access in the
    trace: the prefetcher names the chunks that come next and the store starts fetching them,
    evicting by next use (``DevicePins``). After the module, its pins go; its parameters keep
    viewing the device copy until the store reuses that buffer (then ``ParamViews`` detaches them).
@@ -33,8 +33,8 @@ A step through them reads like the paper, ``prefetch(j + 1); compute(j); evict(j
    again. The first of these decides how this backward's updates go (``StepPipeline.begin_backward``):
    *eager* when nothing needs every gradient first, and which updates to park. As autograd
    accumulates each parameter's gradient, ``GradCapture`` copies it into the chunk's gradient
-   buffer on the device; a chunk whose gradients are complete (and reduced to its owner, under
-   several ranks) goes to ``ReadyGradients``: its squared norm is kept, or, eager, its update is
+   buffer on the device; a chunk whose gradients are complete (and reduce-scattered into the
+   ranks' pieces, under several ranks) goes to ``ReadyGradients``: its squared norm is kept, or, eager, its update is
    queued on the CPU Adam as soon as no module pins the chunk — while backward goes on with earlier
    layers. A module's pins go once all its parameters have their gradients.
 3. **End of backward.** An autograd callback completes the remaining gradient chunks, lets go of

@@ -260,8 +260,8 @@ class ModuleHooks:
                 "optimizer.step() has not committed: call optimizer.step() after each backward, or "
                 "set OffloadConfig(gradient_accumulation_steps=N) when accumulating N micro-batches")
         if self.progress.reduced and self.progress.micro_batches and torch.is_grad_enabled():
-            # Under N ranks the window's last backward (by the config's count) sent every gradient
-            # to its owner: another micro-batch's gradients would be summed with the wrong ones.
+            # Under N ranks the window's last backward (by the config's count) reduce-scattered every
+            # gradient into the ranks' pieces: another micro-batch's gradients would be summed with the wrong ones.
             # (step() sets micro_batches back to 0, also when an fp16 overflow skipped it.)
             raise OffloadError(
                 "a new forward started after the accumulation window's last micro-batch (by "

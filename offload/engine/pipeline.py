@@ -110,7 +110,7 @@ class StepPipeline:
         self.updates.attach(optimizer)
 
     def drop_gathered(self) -> None:
-        """Under several ranks, free the parameter chunks gathered from other ranks: their owners
+        """Under several ranks, free the parameter chunks gathered from the ranks' pieces: the ranks
         are about to change them (an update, a load). A no-op in a single process."""
         if self.gather is not None:
             self.gather.drop_all()
@@ -130,7 +130,7 @@ class StepPipeline:
         """After the gradients are captured and the pins let go: queue what waits, in the order
         the next forward uses the chunks."""
         if self.progress.final_micro_batch:
-            self.drop_gathered()        # the owners update their chunks now
+            self.drop_gathered()        # the ranks update their pieces now
         self.updates.submit_waiting()
         self.adam.reorder(self.pins.deadline)
         self.progress.micro_batches += 1
@@ -167,7 +167,7 @@ class StepPipeline:
             # the gradients are still each rank's own. Every rank has some (the same chunks).
             self.reducer.flush()
             p.reduced = True
-        self.drop_gathered()            # the owners update their chunks now
+        self.drop_gathered()            # the ranks update their pieces now
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
         max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]
