@@ -1,11 +1,10 @@
 """Whether a checkpoint fits a model: the same parameters at the same chunk offsets, the same
-dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it (but
-for one case: an "auto" size under N ranks splits a model one process packs into fewer than N
-chunks; the chunk_size refusal then says to build with the checkpoint's, ``saved_chunk_size``).
+dtypes and chunk sizes -- at any world size, since the chunk layout does not depend on it (a
+chunk_size refusal says to build with the checkpoint's, ``saved_chunk_size``).
 
-A checkpoint written by N ranks is read by M: rank r of M reads the chunks it keeps
-(``Ranks.keeps``) from whichever rank's files hold them, so each rank checks the entries and
-files of the chunks it will read; between them the ranks check every chunk. A mismatch is the
+A checkpoint written by N ranks is read by M: rank r of M fills its span of every chunk from
+the saved pieces that overlap it, so each rank checks every chunk's entry (its size, that its
+pieces tile it) and the files it will read from; between them the ranks check every file. A mismatch is the
 caller's mistake (``ConfigError`` naming what differs), never a reason to fall back to an older
 checkpoint; a missing or truncated file is damage (``OffloadError``).
 """
@@ -15,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError, OffloadError
-from .format import DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, entry_bytes, entry_file, kind_files
+from .format import DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, chunk_numel, chunk_pieces, kind_files
 from .model_state import layout_entries, model_kinds
+from .pieces import clip, copies, tiling_error
 from .ranks import Ranks
 
 
@@ -84,8 +84,8 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
     layout = chunks.layout
     model = chunks.chunks()
     bulk = layout.chunk_size * dtype.itemsize
-    if DTYPES.get(info["dtype"]) != dtype or info["chunk_bytes"] != bulk:
-        raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info['chunk_bytes']} bytes in the "
+    if DTYPES.get(info["dtype"]) != dtype or info.get("chunk_bytes", bulk) != bulk:
+        raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info.get('chunk_bytes', '?')} bytes in the "
                                         f"checkpoint {ckpt}, {dtype} of {bulk} in the model")
     if len(info["chunks"]) != layout.num_chunks:
         raise OffloadError(f"{ckpt / MANIFEST}: {len(info['chunks'])} {kind} chunk entries, expected "
@@ -95,14 +95,23 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
     files = kind_files(info)
     mine = set()
     for c, entry in enumerate(info["chunks"]):
-        if entry is None or not ranks.keeps(c):
+        if entry is None:
             continue
-        rank = int(entry.get("rank", 0))
-        if not 0 <= rank < world:
-            raise OffloadError(f"{ckpt / MANIFEST}: chunk {kind}[{c}] is on rank {rank} of {world}")
-        if kind not in model[c].kinds or entry_bytes(info, entry) != model[c].nbytes(kind):
+        numel = chunk_numel(info, entry)
+        if kind not in model[c].kinds or numel != model[c].numel:
             raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
                                             "model's (a different chunk layout or set of frozen parameters)")
-        mine.add(entry_file(info, entry))
+        pieces = chunk_pieces(info, entry)
+        for p in pieces:
+            if not 0 <= p.rank < world or (p.stored and (p.file not in files or p.nbytes != p.numel * dtype.itemsize)):
+                raise OffloadError(f"{ckpt / MANIFEST}: chunk {kind}[{c}] has a piece of rank {p.rank} of {world} "
+                                   f"in {p.file}, {p.nbytes} bytes for elements [{p.lo}, {p.hi})")
+        spans = [(p.lo, p.hi) for p in pieces]
+        why = tiling_error(spans, numel)
+        if why is not None:
+            raise OffloadError(f"{ckpt / MANIFEST}: the pieces of chunk {kind}[{c}] do not tile its {numel} "
+                               f"elements: {why}")
+        mine.update(pieces[cp.piece].file for cp in copies(spans, clip(tuple(model[c].span), numel))
+                    if pieces[cp.piece].stored)
     # Each file is checked by a rank that reads from it, and by one rank in any case (an empty one too).
     check_kind_file_size(ckpt, kind, info, [f for i, f in enumerate(files) if f in mine or i % ranks.world == ranks.rank])

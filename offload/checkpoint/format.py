@@ -1,4 +1,20 @@
-"""The on-disk format of one checkpoint: names, the manifest, checksums of chunks and files."""
+"""The on-disk format of one checkpoint: names, the manifest, checksums of chunks and files.
+
+The manifest's ``kinds`` say where each chunk of each kind is. Three versions, all read:
+
+* 1 -- one process: ``{"file", "dtype", "chunk_bytes", "chunks": [entry | null]}``, an entry
+  ``{"offset", <algorithm>: crc, "nbytes"?}`` (``nbytes`` when not ``chunk_bytes``): the whole chunk.
+* 2 -- round-robin ranks (no longer written): ``"files"`` (one per rank) instead of ``"file"``, and an
+  entry's ``"rank"`` says whose file holds the whole chunk.
+* 3 -- sliced ranks: ``{"files", "dtype", "chunks": [{"numel", "pieces": [piece]} | null]}``, a piece
+  ``{"rank", "lo", "hi", "file", "offset", "nbytes", "crc"}``: elements ``[lo, hi)`` of the chunk
+  (``hi`` cut at ``numel``), ``nbytes`` at ``offset`` of ``file``, its checksum under the manifest's
+  ``"checksum"`` algorithm; or ``{"rank", "lo", "hi", "zeros": true}``: Adam moments its rank never
+  initialized while others did, nothing stored (``pieces``). The pieces of a chunk tile ``[0, numel)``.
+
+``chunk_pieces`` reads any of them as ``pieces.Piece`` lists (a whole chunk is one piece
+``[0, numel)``), so loading and verifying treat the three alike.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +26,13 @@ from pathlib import Path
 import torch
 
 from ..errors import ChecksumError, OffloadError
+from .pieces import Piece
 
 FORMAT = "offload-checkpoint"
-VERSION = 1            # what a single process writes
-SHARDED_VERSION = 2    # written by several ranks: per-rank chunk files (``files``, an entry's ``rank``)
-VERSIONS = (VERSION, SHARDED_VERSION)
+VERSION = 1            # what a single process writes: whole chunks
+SHARDED_VERSION = 2    # round-robin ranks, whole chunks in their owner's file (read, no longer written)
+SLICED_VERSION = 3     # written by several ranks: each rank's piece of every chunk in its own files
+VERSIONS = (VERSION, SHARDED_VERSION, SLICED_VERSION)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")   # grads are never saved
@@ -116,38 +134,69 @@ def small_files(manifest: dict) -> list[dict]:
 
 
 def entry_bytes(info: dict, entry: dict) -> int:
-    """Bytes of one saved chunk: the kind's bulk ``chunk_bytes``, or its own ``nbytes`` (an
-    oversized parameter's chunk, or a class's last chunk cut to what it holds)."""
+    """Bytes of one whole saved chunk (versions 1 and 2): the kind's bulk ``chunk_bytes``, or its
+    own ``nbytes`` (an oversized parameter's chunk, or a class's last chunk cut to what it holds)."""
     return int(entry.get("nbytes", info["chunk_bytes"]))
 
 
 def entry_file(info: dict, entry: dict) -> str:
-    """The file (relative to the checkpoint) holding one saved chunk: the kind's one ``file``, or
-    in a sharded checkpoint the ``files[rank]`` of the rank that wrote it."""
+    """The file (relative to the checkpoint) holding one whole saved chunk (versions 1 and 2): the
+    kind's one ``file``, or in a round-robin checkpoint the ``files[rank]`` of the rank that wrote it."""
     if "rank" in entry:
         return info["files"][int(entry["rank"])]
     return info["file"]
 
 
 def kind_files(info: dict) -> list[str]:
-    """Every chunk file of one kind (one per rank in a sharded checkpoint)."""
+    """Every chunk file of one kind (one per rank in a checkpoint of several ranks)."""
     return list(info["files"]) if "files" in info else [info["file"]]
 
 
 def entry_rank(entry: dict) -> int:
-    """The rank whose files hold a saved chunk (0 in a single process's checkpoint)."""
+    """The rank whose files hold a whole saved chunk (0 in a single process's checkpoint)."""
     return int(entry.get("rank", 0))
 
 
+def chunk_numel(info: dict, entry: dict) -> int:
+    """Elements of one saved chunk (a non-null ``entry`` of kind ``info``), in any version."""
+    if "pieces" in entry:
+        return int(entry["numel"])
+    nbytes, itemsize = entry_bytes(info, entry), DTYPES[info["dtype"]].itemsize
+    if nbytes % itemsize:
+        raise OffloadError(f"a saved chunk of {nbytes} bytes is not a whole number of {info['dtype']} elements")
+    return nbytes // itemsize
+
+
+def chunk_pieces(info: dict, entry: dict, algorithm: str | None = None) -> list[Piece]:
+    """The saved pieces of one chunk (a non-null ``entry`` of kind ``info``), in any version: a
+    whole chunk (versions 1, 2) is one piece ``[0, numel)``. ``algorithm``: the manifest's
+    ``"checksum"``, for the pieces' ``crc`` (None: sizes only)."""
+    if "pieces" in entry:
+        return [Piece(rank=int(p["rank"]), lo=int(p["lo"]), hi=int(p["hi"]), file=None, offset=0, nbytes=0, crc=None)
+                if p.get("zeros") is True else
+                Piece(rank=int(p["rank"]), lo=int(p["lo"]), hi=int(p["hi"]), file=str(p["file"]),
+                      offset=int(p["offset"]), nbytes=int(p["nbytes"]),
+                      crc=None if algorithm is None else int(p["crc"])) for p in entry["pieces"]]
+    return [Piece(rank=entry_rank(entry), lo=0, hi=chunk_numel(info, entry), file=entry_file(info, entry),
+                  offset=int(entry["offset"]), nbytes=entry_bytes(info, entry),
+                  crc=None if algorithm is None else int(entry[algorithm]))]
+
+
 def check_kind_file_size(ckpt: Path, kind: str, info: dict, files: list[str] | None = None) -> None:
-    """Each chunk file of ``kind`` (``files``: only those) holds exactly the chunks the manifest
+    """Each chunk file of ``kind`` (``files``: only those) holds exactly the pieces the manifest
     lists in it (else it is truncated or overwritten)."""
     expected = {f: [0, 0] for f in kind_files(info)}
     for e in info["chunks"]:
         if e is not None:
-            count = expected[entry_file(info, e)]
-            count[0] += 1
-            count[1] += entry_bytes(info, e)
+            for piece in chunk_pieces(info, e):
+                if not piece.stored:
+                    continue
+                if piece.file not in expected:
+                    raise OffloadError(f"{ckpt / MANIFEST}: a piece of {kind} is in {piece.file}, not one of "
+                                       f"the kind's files {sorted(expected)}")
+                count = expected[piece.file]
+                count[0] += 1
+                count[1] += piece.nbytes
     for name, (stored, nbytes) in expected.items():
         if files is not None and name not in files:
             continue
@@ -157,6 +206,7 @@ def check_kind_file_size(ckpt: Path, kind: str, info: dict, files: list[str] | N
         except OSError as exc:
             raise OffloadError(f"checkpoint file {path} is missing: {exc}") from exc
         if size != nbytes:
+            what = "pieces" if any(e is not None and "pieces" in e for e in info["chunks"]) else "chunks"
             raise ChecksumError(str(path), size, nbytes,
-                                f"file holds {size} bytes, the manifest says {stored} chunks of "
+                                f"file holds {size} bytes, the manifest says {stored} {what} of "
                                 f"{nbytes} bytes in all (truncated or overwritten)")

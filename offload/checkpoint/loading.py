@@ -18,9 +18,11 @@ chunks are verified as they stream in, so a mismatch there leaves the model part
 and the next candidate then overwrites every chunk.
 
 Several ranks (data parallelism): every rank calls it; rank 0 lists the candidates, each rank
-loads the chunks it keeps at the current world size (``Ranks.keeps``), whichever rank's files
-of the saving run hold them, so a checkpoint of N ranks loads at any M (1 without a process
-group included). After each candidate the ranks compare outcomes: if any rank found it
+fills its span of every chunk (``ChunkInfo.span``) from the saved pieces that overlap it
+(``pieces.copies``), whichever ranks' files of the saving run hold them, each piece read whole
+and verified (``reading``); so a checkpoint of N ranks loads at any M (1 without a process group
+included), and one of a single process (version 1) or of round-robin ranks (version 2) too: a
+whole chunk is one piece. After each candidate the ranks compare outcomes: if any rank found it
 damaged, every rank skips it; a mismatch or an engine failure on any rank makes every rank
 raise. So all ranks always end on the same checkpoint.
 """
@@ -31,17 +33,20 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ..distributed.arrival import arrive
 from ..engine.access import engine_of
-from ..errors import ChecksumError, ConfigError, OffloadError
+from ..errors import ConfigError, OffloadError
 from .compat import check_compatible
-from .format import DTYPES, checksum, entry_bytes, entry_file, read_checked_file
+from .format import DTYPES, chunk_pieces, read_checked_file
 from .listing import candidates, intact
 from .model_state import persistent_buffers, pipelined, restore_hypers
+from .pieces import Copy, Piece, clip, copies
 from .plain import load_plain
+from .reading import OpenFiles, fill_span
 from .ranks import PeerFailed, Ranks, peer_error, report
 
 
@@ -168,7 +173,7 @@ def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
     _on_engine(engine.zero_grad)             # a clean window: no gradients, nothing applied
     _on_engine(engine.drop_gathered)         # other ranks' chunks gathered here go stale now
     t0 = time.perf_counter()
-    _load_chunks(engine, manifest, ckpt, algorithm, ranks)
+    _load_chunks(engine, manifest, ckpt, algorithm)
     read_s = time.perf_counter() - t0
     engine.chunks.restore_step_state(adam_steps=manifest["adam_steps"], step_count=manifest["engine_step_count"],
                                      scaler=manifest.get("scaler") or None)
@@ -192,69 +197,55 @@ def _load_verified(engine, optimizer, ckpt: Path, ranks: Ranks) -> dict:
     return manifest
 
 
-def read_chunk(fd: int, path: Path, kind: str, c: int, entry: dict, nbytes: int, buf: torch.Tensor,
-               algorithm: str) -> torch.Tensor:
-    """Read chunk ``kind[c]`` (``nbytes`` at ``entry["offset"]``) into ``buf`` and verify its
-    checksum; returns the filled uint8 view. ``ChecksumError`` names file, chunk and offset."""
-    view = buf[:nbytes]
-    mv = memoryview(view.numpy()).cast("B")
-    got = 0
-    while got < nbytes:
-        try:
-            n = os.preadv(fd, [mv[got:]], entry["offset"] + got)
-        except OSError as exc:
-            from ..errors import NvmeIOError
+class _Fill(NamedTuple):
+    """This rank's span of one chunk of one kind, and the saved pieces that fill it."""
 
-            raise NvmeIOError(exc.errno or 5, str(path), entry["offset"] + got, nbytes - got,
-                              f"reading chunk {kind}[{c}]") from exc
-        if not n:
-            raise ChecksumError(str(path), entry["offset"] + got, nbytes - got,
-                                f"short read (end of file) of chunk {kind}[{c}]")
-        got += n
-    crc = checksum(algorithm, view)
-    if crc != entry[algorithm]:
-        raise ChecksumError(str(path), entry["offset"], nbytes,
-                            f"checksum mismatch ({algorithm}: expected {entry[algorithm]:#010x}, got {crc:#010x}) "
-                            f"of chunk {kind}[{c}]")
-    return view
+    kind: str
+    c: int
+    pieces: list[Piece]
+    copies: list[Copy]
+    nbytes: int          # the span's bytes (padding included)
+    stored: int          # its elements inside the chunk
+    itemsize: int
+
+    def edge_bytes(self) -> int:
+        """Bytes of the largest piece that lies across the span's edge (read into scratch first)."""
+        spans = [(p.lo, p.hi) for p in self.pieces]
+        return max((self.pieces[cp.piece].nbytes for cp in self.copies if not cp.whole(spans)
+                    and self.pieces[cp.piece].stored), default=0)
 
 
-def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str, ranks: Ranks) -> None:
+def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
+    """Fill this rank's span of every chunk of every saved kind from the pieces that overlap it
+    (``pieces.copies``); a chunk saved as holding nothing is emptied. Memory: two spans of the
+    largest kind, and (another world size) one piece that lies across a span's edge."""
     chunks = engine.chunks
-    items: list[tuple[str, int, dict]] = []
+    model = chunks.chunks()
+    items: list[_Fill] = []
     for kind, info in manifest["kinds"].items():
+        itemsize = DTYPES[info["dtype"]].itemsize
         for c, entry in enumerate(info["chunks"]):
-            if not ranks.keeps(c):
-                continue            # another rank's (its parameters here are only ever transient)
             if entry is None:       # it held nothing when saved
                 _on_engine(chunks.write, kind, c, None)
-            else:
-                items.append((kind, c, entry))
-    biggest = max((entry_bytes(manifest["kinds"][k], e) for k, _, e in items), default=0)
-    bufs = [torch.zeros(biggest, dtype=torch.uint8, device="cpu") for _ in range(2)]
-    files = {}
+                continue
+            pieces = chunk_pieces(info, entry, algorithm)
+            lo, hi = model[c].span
+            stored = clip((lo, hi), model[c].numel)
+            items.append(_Fill(kind, c, pieces, copies([(p.lo, p.hi) for p in pieces], stored), (hi - lo) * itemsize,
+                               stored[1] - stored[0], itemsize))
+    bufs = [torch.zeros(max((it.nbytes for it in items), default=0), dtype=torch.uint8, device="cpu")
+            for _ in range(2)]
+    edge = max((it.edge_bytes() for it in items), default=0)
+    scratch = torch.empty(edge, dtype=torch.uint8, device="cpu") if edge else None
 
     def fetch(i):
-        kind, c, entry = items[i]
-        info = manifest["kinds"][kind]
-        name = entry_file(info, entry)
-        if name not in files:
-            try:
-                files[name] = open(ckpt / name, "rb", buffering=0)
-            except OSError as exc:
-                raise OffloadError(f"checkpoint file {ckpt / name} cannot be read: {exc}") from exc
-        view = read_chunk(files[name].fileno(), ckpt / name, kind, c, entry, entry_bytes(info, entry),
-                          bufs[i % 2], algorithm)
-        return view.view(DTYPES[info["dtype"]])
+        it = items[i]
+        out = fill_span(files, it.kind, it.c, it.pieces, it.copies, bufs[i % 2][:it.nbytes], it.stored, it.itemsize,
+                        scratch, algorithm)
+        return out.view(DTYPES[manifest["kinds"][it.kind]["dtype"]])
 
     def consume(i, data):
-        kind, c, _ = items[i]
-        _on_engine(chunks.write, kind, c, data)
+        _on_engine(chunks.write, items[i].kind, items[i].c, data)
 
-    try:
+    with OpenFiles(ckpt) as files:
         pipelined(items, fetch, consume)
-    finally:
-        for f in files.values():
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            f.close()

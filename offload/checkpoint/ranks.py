@@ -1,11 +1,11 @@
 """The ranks that save, load or export one model together, and how they agree.
 
-Under data parallelism (the engine's ``chunks.sharding`` set) every rank keeps only the chunks
-it owns (``offload.distributed.sharding`` says which); a checkpoint is written by all of them at once and read back by all of them at once, perhaps at
-another world size. Each step that can fail on one rank only (a full disk, a checksum
-mismatch in one rank's file) ends in ``settle``: every rank says how its part went, and then
-either every rank goes on or every rank raises -- never one raising while the others wait in
-the next collective. Without a process group (``sharding`` None) there is one rank and every
+Under data parallelism (the engine's ``chunks.sharding`` set) every rank keeps a piece of every
+chunk (its span, ``ChunkInfo.span``); a checkpoint is written by all of them at once and read
+back by all of them at once, perhaps at another world size. Each step that can fail on one
+rank only (a full disk, a checksum mismatch in one rank's file) ends in ``settle``: every rank
+says how its part went, and then either every rank goes on or every rank raises -- never one
+raising while the others wait in the next collective. Without a process group (``sharding`` None) there is one rank and every
 collective is the identity.
 """
 
@@ -17,7 +17,7 @@ SHARD_DIR = "rank-{:05d}"
 
 
 def shard_dir(rank: int) -> str:
-    """The subdirectory of a sharded checkpoint that holds rank ``rank``'s chunk files."""
+    """The subdirectory of a checkpoint of several ranks that holds rank ``rank``'s chunk files."""
     return SHARD_DIR.format(rank)
 
 
@@ -47,10 +47,6 @@ class Ranks:
     def lead(self) -> bool:
         """Rank 0: the one that writes what is written once (manifest, buffers, exports)."""
         return self.rank == 0
-
-    def keeps(self, c: int) -> bool:
-        """Whether this rank persistently stores chunk ``c`` (``Sharding.owns``; every chunk on one rank)."""
-        return self.sharding is None or self.sharding.owns(c)
 
     # ---- collectives (identity on one rank) -----------------------------------------------
     def gather(self, obj) -> list:

@@ -2,8 +2,9 @@
 rank under data parallelism), the manifest last, the whole directory renamed into place.
 
 Several ranks (data parallelism): every rank calls ``save_checkpoint``; rank 0 makes the temp
-directory, each rank writes the chunks it owns into ``rank-0000r/`` of it and fsyncs them,
-rank 0 then writes the manifest (chunk -> rank's file), the files written once (buffers,
+directory, each rank writes its piece of every chunk (``chunks.read``: its span, cut at the
+chunk's end) into ``rank-0000r/`` of it and fsyncs them, rank 0 then writes the manifest
+(format version 3: each chunk's pieces, ``entries.merge``), the files written once (buffers,
 optimizer state, ``extra``), renames the directory into place and moves ``latest`` -- only
 after every rank reported its files durable. A failure on any rank makes every rank raise
 (``ranks.Ranks.settle``) and leaves the previous checkpoint current. All ranks must see one
@@ -23,12 +24,15 @@ import torch
 from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
+from ..tiers.nvme import SLOT_ALIGN
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
-from .format import (DTYPE_NAMES, FORMAT, LATEST, MANIFEST, SHARDED_VERSION, VERSION, checksum,
+from .entries import Empty, RankPieces, Written, merge, saved_bytes
+from .format import (FORMAT, LATEST, MANIFEST, SLICED_VERSION, VERSION, checksum,
                      checksum_algorithm, checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
 from .model_state import (foreign_optimizer_state, group_hypers, layout_entries, model_kinds, persistent_buffers,
                           pipelined)
+from .pieces import clip
 from .plain import check_plain
 from .ranks import Ranks, shard_dir
 
@@ -78,7 +82,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     try:
         where = tmp / shard_dir(ranks.rank) if ranks.sharded else tmp
         where.mkdir(exist_ok=True)
-        written = _write_chunks(engine, where, ranks, algorithm)
+        written = _write_chunks(engine, where, algorithm)
         fsync_dir(where)
     except Exception as exc:
         error = exc
@@ -91,7 +95,7 @@ def save_checkpoint(model, optimizer, directory: str | os.PathLike, *, step: int
     error, final = None, None
     if ranks.lead:
         try:
-            final = _commit(engine, optimizer, root, tmp, step, extra, keep, algorithm, ranks, shards, t0)
+            final = _commit(engine, optimizer, root, tmp, step, extra, keep, algorithm, shards, t0)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             error = exc
@@ -127,11 +131,14 @@ def _prepare(root: Path, name: str) -> Path:
 
 
 def _commit(engine, optimizer, root: Path, tmp: Path, step: int, extra, keep, algorithm: str,
-            ranks: Ranks, shards: list[dict], t0: float) -> Path:
-    """Rank 0, every rank's chunks durable in ``tmp``: the manifest, the files written once, the
-    rename into place, ``latest``, ``keep``."""
+            shards: list[RankPieces], t0: float) -> Path:
+    """Rank 0, every rank's pieces durable in ``tmp`` (``shards[r]``: what rank r wrote): the
+    manifest, the files written once, the rename into place, ``latest``, ``keep``."""
     name = step_name(step)
-    manifest = _manifest(engine, optimizer, tmp, step, extra, algorithm, _merge(engine, ranks, shards))
+    chunks = engine.chunks
+    kinds = merge(model_kinds(chunks), [info.numel for info in chunks.chunks()], chunks.layout.chunk_size,
+                  algorithm, shards)
+    manifest = _manifest(engine, optimizer, tmp, step, extra, algorithm, kinds)
     manifest["write_s"] = time.perf_counter() - t0
     write_file_atomic(tmp / MANIFEST, manifest_bytes(manifest))
     fsync_dir(tmp)
@@ -152,39 +159,45 @@ def _commit(engine, optimizer, root: Path, tmp: Path, step: int, extra, keep, al
     return final
 
 
-def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
-    """Write the chunks this rank keeps, one file per kind in ``where``; returns
-    ``{kind: {chunk: entry}}`` (entries: offset, checksum, ``nbytes`` when not the bulk size)."""
+def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
+    """Write this rank's piece of every chunk (each whole chunk in one process), one file per kind
+    in ``where``; returns what it wrote (``entries.RankPieces``)."""
     chunks = engine.chunks
     kinds = model_kinds(chunks)
-    # Frozen chunks have no master or optimizer state; a chunk not of the bulk size (an
-    # oversized parameter's, a class's last) says its own ``nbytes`` in its entry.
-    kept = chunks.chunks(kept_only=True)
-    items = [(kind, info) for kind in kinds for info in kept if kind in info.kinds]
-    entries: dict[str, dict[int, dict]] = {kind: {} for kind in kinds}
-    bulk = {kind: chunks.layout.chunk_size * dtype.itemsize for kind, dtype in kinds.items()}
-    bufs = chunks.staging(max((info.nbytes(kind) for kind, info in items), default=0), count=2)
+    # Frozen chunks have no master or optimizer state. A piece cut at the chunk's end to nothing
+    # (a span wholly in the padding) is neither read nor written.
+    items = [(kind, info) for kind in kinds for info in chunks.chunks()
+             if kind in info.kinds and _stored(info)[0] < _stored(info)[1]]
+    written: RankPieces = {kind: {} for kind in kinds}
+    # A piece read straight from NVMe is read in whole O_DIRECT blocks: its tail past the span
+    # lands in the buffer too (a 1/N piece need not end on a block).
+    span_bytes = max(((info.span[1] - info.span[0]) * kinds[kind].itemsize for kind, info in items), default=0)
+    bufs = chunks.staging(-(-span_bytes // SLOT_ALIGN) * SLOT_ALIGN, count=2)
     writers: dict[str, KindWriter] = {}
 
     def fetch(i):
         kind, info = items[i]
         data = chunks.read(kind, info.index, bufs[i % 2])
-        return None if data is None else (data, checksum(algorithm, data))
+        if data is None:
+            return None
+        lo, hi = _stored(info)
+        if data.numel() != info.span[1] - info.span[0]:
+            raise OffloadError(f"chunk {kind}[{info.index}] read {data.numel()} elements for this rank's span "
+                               f"{tuple(info.span)}")
+        data = data[:hi - lo]         # the padding past the chunk's end is not stored
+        return data, checksum(algorithm, data)
 
     def consume(i, result):
-        if result is None:
-            return          # it holds nothing (Adam moments before the first step): ``null``
-        kind, c = items[i][0], items[i][1].index
+        kind, info = items[i]
+        lo, hi = _stored(info)
+        if result is None:      # it holds nothing (Adam moments before this piece's first update)
+            written[kind][info.index] = Empty(lo=lo, hi=hi)
+            return
         data, crc = result
         if data.dtype != kinds[kind]:
-            raise OffloadError(f"chunk {kind}[{c}] holds {data.dtype}, a checkpoint expects {kinds[kind]}")
-        entry = {"offset": writers[kind].append(data), algorithm: crc}
-        nbytes = data.numel() * data.element_size()
-        if nbytes != bulk[kind]:
-            entry["nbytes"] = nbytes
-        if ranks.sharded:
-            entry["rank"] = ranks.rank
-        entries[kind][c] = entry
+            raise OffloadError(f"chunk {kind}[{info.index}] holds {data.dtype}, a checkpoint expects {kinds[kind]}")
+        written[kind][info.index] = Written(lo=lo, hi=hi, offset=writers[kind].append(data),
+                                            nbytes=data.numel() * data.element_size(), crc=crc)
 
     try:
         for kind in kinds:     # inside the try: a failed open closes the others
@@ -193,35 +206,21 @@ def _write_chunks(engine, where: Path, ranks: Ranks, algorithm: str) -> dict:
     finally:
         for w in writers.values():
             w.close()
-    return entries
+    return written
 
 
-def _merge(engine, ranks: Ranks, shards: list[dict]) -> dict:
-    """The manifest's ``kinds``: every rank's chunk entries in one list per kind."""
-    layout = engine.chunks.layout
-    kinds = {}
-    for kind, dtype in model_kinds(engine.chunks).items():
-        info = {"dtype": DTYPE_NAMES[dtype], "chunk_bytes": layout.chunk_size * dtype.itemsize,
-                "chunks": [None] * layout.num_chunks}
-        if ranks.sharded:
-            info = {"files": [f"{shard_dir(r)}/{kind}.bin" for r in range(ranks.world)], **info}
-        else:
-            info = {"file": f"{kind}.bin", **info}
-        for shard in shards:
-            for c, entry in shard[kind].items():
-                info["chunks"][c] = entry
-        kinds[kind] = info
-    return kinds
+def _stored(info) -> tuple[int, int]:
+    """The elements of chunk ``info`` this rank stores: its span cut at the chunk's end."""
+    return clip(tuple(info.span), info.numel)
 
 
 def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, kinds: dict) -> dict:
     layout, state = engine.chunks.layout, engine.chunks.step_state()
-    total = sum(int(e.get("nbytes", info["chunk_bytes"])) for info in kinds.values()
-                for e in info["chunks"] if e is not None)
+    total = saved_bytes(kinds)
     world = Ranks.of(engine).world
     manifest = {
         "format": FORMAT,
-        "version": SHARDED_VERSION if world > 1 else VERSION,
+        "version": SLICED_VERSION if world > 1 else VERSION,
         "step": step,
         "created": time.time(),
         "checksum": algorithm,

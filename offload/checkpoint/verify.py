@@ -11,9 +11,11 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, OffloadError
-from .format import (LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, entry_bytes, entry_file, entry_rank, kind_files,
+from .format import (DTYPES, LATEST, STEP_NAME, TEMP_NAME, check_kind_file_size, chunk_numel, chunk_pieces, kind_files,
                      read_checked_file, read_manifest, small_files)
 from .listing import candidates, is_complete
+from .pieces import Piece, tiling_error
+from .reading import OpenFiles, read_piece
 
 
 @dataclass(slots=True)
@@ -23,7 +25,8 @@ class Verdict:
     path: str
     step: int | None = None
     world: int = 1               # ranks that saved it (one file per kind and rank)
-    chunks: int = 0              # chunks whose checksum was checked
+    chunks: int = 0              # chunks all of whose pieces verified
+    pieces: int = 0              # pieces whose checksum was checked (a whole chunk is one)
     files: int = 0               # files read
     bytes: int = 0               # bytes read
     problems: list[str] = field(default_factory=list)   # one line each; empty: it verifies
@@ -53,7 +56,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
     for kind, info in kinds.items():
         try:
             _verify_kind(ckpt, kind, info, algorithm, verdict)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (OffloadError, KeyError, TypeError, ValueError, IndexError) as exc:
             verdict.problems.append(f"manifest: {kind} entries malformed ({type(exc).__name__}: {exc})")
     for entry in small_files(manifest):
         try:
@@ -65,30 +68,51 @@ def verify_checkpoint(path: str | os.PathLike) -> Verdict:
 
 
 def _verify_kind(ckpt: Path, kind: str, info: dict, algorithm: str, verdict: Verdict) -> None:
-    """Check the size and every chunk's checksum of each file of ``kind`` (one per saving rank)."""
-    from .loading import read_chunk
-
-    for name in kind_files(info):
+    """Check that each chunk's pieces tile it, then the size and every piece's checksum of each
+    file of ``kind`` (one per saving rank); a chunk counts as checked when all its pieces are."""
+    itemsize = DTYPES[info["dtype"]].itemsize
+    by_file: dict[str, list[tuple[int, Piece, bool]]] = {name: [] for name in kind_files(info)}
+    bad: set[int] = set()
+    entries = [(c, e) for c, e in enumerate(info["chunks"]) if e is not None]
+    for c, entry in entries:
+        pieces = chunk_pieces(info, entry, algorithm)
+        why = tiling_error([(p.lo, p.hi) for p in pieces], chunk_numel(info, entry))
+        sizes = [p for p in pieces if p.stored and p.nbytes != p.numel * itemsize]
+        if why is not None or sizes:
+            verdict.problems.append(f"manifest: chunk {kind}[{c}]: " + (why or f"{sizes[0].nbytes} bytes for elements "
+                                                                               f"[{sizes[0].lo}, {sizes[0].hi})"))
+            bad.add(c)
+        for p in pieces:
+            if p.stored:
+                by_file.setdefault(p.file, []).append((c, p, len(pieces) == 1))
+    for name, stored in by_file.items():
         try:
             check_kind_file_size(ckpt, kind, info, [name])
         except OffloadError as exc:
             verdict.problems.append(str(exc))
             if not (ckpt / name).is_file():
+                bad.update(c for c, _, _ in stored)
                 continue
-        chunks = [(c, e) for c, e in enumerate(info["chunks"]) if e is not None and entry_file(info, e) == name]
-        buf = torch.empty(max((entry_bytes(info, e) for _, e in chunks), default=0), dtype=torch.uint8, device="cpu")
+        buf = torch.empty(max((p.nbytes for _, p, _ in stored), default=0), dtype=torch.uint8, device="cpu")
         verdict.files += 1
-        try:
-            with open(ckpt / name, "rb", buffering=0) as f:
-                for c, entry in chunks:
-                    try:
-                        read_chunk(f.fileno(), ckpt / name, kind, c, entry, entry_bytes(info, entry), buf, algorithm)
-                        verdict.chunks += 1
-                        verdict.bytes += entry_bytes(info, entry)
-                    except OffloadError as exc:
-                        verdict.problems.append(f"rank {entry_rank(entry)}: {exc}" if "rank" in entry else str(exc))
-        except OSError as exc:
-            verdict.problems.append(f"{ckpt / name}: {exc}")
+        with OpenFiles(ckpt) as files:
+            try:
+                fd = files.fd(name)
+            except OffloadError as exc:
+                verdict.problems.append(str(exc))
+                bad.update(c for c, _, _ in stored)
+                continue
+            for c, piece, whole in stored:
+                try:
+                    read_piece(fd, ckpt / name, kind, c, piece, buf, algorithm, whole=whole)
+                    verdict.pieces += 1
+                    verdict.bytes += piece.nbytes
+                except OffloadError as exc:
+                    bad.add(c)
+                    sliced = "pieces" in info["chunks"][c]
+                    verdict.problems.append(f"rank {piece.rank}: {exc}" if sliced or "rank" in info["chunks"][c]
+                                            else str(exc))
+    verdict.chunks += sum(c not in bad for c, _ in entries)
 
 
 def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]:
@@ -138,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         name = Path(v.path).name
         if v.ok:
             ranks = f" of {v.world} ranks" if v.world > 1 else ""
-            print(f"ok       {name}: {v.chunks} chunks, {v.files} files{ranks}, {format_bytes(v.bytes)} verified")
+            pieces = f" ({v.pieces} pieces)" if v.pieces != v.chunks else ""
+            print(f"ok       {name}: {v.chunks} chunks{pieces}, {v.files} files{ranks}, {format_bytes(v.bytes)} verified")
         else:
             print(f"CORRUPT  {name}: {len(v.problems)} problem(s)")
             for p in v.problems:

@@ -82,11 +82,11 @@ class EngineChunks:
         with store.lock:
             empty = store.records[key].state is ChunkState.FREE
         if self.sharding is not None:
-            # FREE or not is the same on every rank (a first step fills every piece at once);
-            # agreeing on it costs one tiny all-reduce and keeps a mismatch from hanging a rank.
-            flag = torch.tensor([1.0 if empty else 0.0], device=self._params.comm_device)
-            self._engine.comms.all_reduce(flag)
-            empty = float(flag.item()) > 0
+            # A piece holding no parameter with a gradient gets no Adam state while the others do:
+            # the chunk is empty only when every piece is (one tiny all-reduce, on every rank).
+            holding = torch.tensor([0.0 if empty else 1.0], device=self._params.comm_device)
+            self._engine.comms.all_reduce(holding)
+            empty = float(holding.item()) == 0
         if empty:
             return None
         return self._params.read_whole(key)

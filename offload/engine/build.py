@@ -143,10 +143,9 @@ def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, d
     grad_dtype = dtype if config.gradient_accumulation_steps == 1 else torch.float32
     if params.capture_kind != "grad":
         # Under several ranks autograd's gradients fill whole chunks, reduce-scattered into the
-        # pieces Adam reads. Without accumulation a whole chunk lives from its first gradient
-        # until it is reduced, pinned all along: it never needs an NVMe slot. Accumulated ones may.
-        store.register_chunks(params.capture_kind, params.trainable_whole_sizes(), grad_dtype,
-                              nvme=config.gradient_accumulation_steps > 1)
+        # pieces Adam reads on every micro-batch: a whole chunk lives from its first gradient until
+        # it is reduced, pinned all along, and never needs an NVMe slot. The pieces accumulate.
+        store.register_chunks(params.capture_kind, params.trainable_whole_sizes(), grad_dtype, nvme=False)
     store.register_chunks("grad", pieces, grad_dtype)
     for kind in ("exp_avg", "exp_avg_sq"):
         store.register_chunks(kind, pieces, torch.float32)

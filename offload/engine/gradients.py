@@ -2,11 +2,12 @@
 
 A hook after gradient accumulation copies (or, accumulating micro-batches, adds) ``p.grad`` into
 the parameter's slice of its chunk's gradient buffer, pinned on the device, and drops ``p.grad``.
-When every trainable parameter of a chunk has its gradient the chunk is complete: with several
-ranks on the last micro-batch it goes to the reducer (reduce-scattered: each rank gets the sum of
-its piece), otherwise straight to ``ReadyGradients`` (``updates.py``). Under several ranks the
-chunk filled here is the whole (padded) ``grad_full`` one; its piece ``grad`` is what Adam reads. When backward ends, chunks some of whose parameters got
-no gradient are completed with zeros there.
+When every trainable parameter of a chunk has its gradient the chunk is complete: in a single
+process it goes straight to ``ReadyGradients`` (``updates.py``); with several ranks it goes to the
+reducer, which reduce-scatters it into this rank's piece (``grad``, what Adam reads) -- on every
+micro-batch, adding into the piece, so that a rank never holds more than its 1/N of the window's
+gradients (the whole ``grad_full`` chunk filled here lives only until it is reduced). When
+backward ends, chunks some of whose parameters got no gradient are completed with zeros there.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class GradCapture:
 
     def _reset(self) -> None:
         self.grads_seen: dict[int, int] = defaultdict(int)      # chunk -> gradients this backward
+        self.captured: set[int] = set()                         # parameter indices with a gradient this backward
         self.views: dict[int, torch.Tensor] = {}                # chunk -> its pinned gradient buffer
 
     def capture(self, p: nn.Parameter) -> bool:
@@ -79,12 +81,16 @@ class GradCapture:
             # An accumulated one may be on NVMe: brought back outside the lock.
             self.views[c] = view if view is not None else self.store.access(key, "device")
         target = self.views[c][ref.slot.offset:ref.slot.end]
+        # A single process adds the window's micro-batches in its chunk; under several ranks each
+        # backward's whole chunk is fresh (the pieces accumulate).
+        seen = self.captured if self.reducer is not None else self.progress.with_grad
         with self.on_compute(g):
-            if ref.index in self.progress.with_grad:
-                target.add_(g.reshape(-1))       # accumulating micro-batches
+            if ref.index in seen:
+                target.add_(g.reshape(-1))       # accumulating
             else:
                 target.copy_(g.reshape(-1))
         self.progress.with_grad.add(ref.index)
+        self.captured.add(ref.index)
         self.progress.grad_chunks.add(c)
         self.grads_seen[c] += 1
         if self.grads_seen[c] == self._expected[c]:
@@ -92,13 +98,13 @@ class GradCapture:
         return True
 
     def end_backward(self) -> None:
-        """Complete the chunks still open (zeros for what got no gradient); on the window's last
-        micro-batch under several ranks, reduce every group still due and wait for it."""
+        """Complete the chunks still open (zeros for what got no gradient); under several ranks,
+        reduce every chunk still due and wait for it."""
         for c in list(self.views):
             self._finish(c)
-        if self.reducer is not None and self.progress.final_micro_batch:
+        if self.reducer is not None:
             self.reducer.flush()
-            self.progress.reduced = True
+            self.progress.reduced = self.progress.final_micro_batch
         self._reset()
 
     def abort(self) -> None:
@@ -131,16 +137,14 @@ class GradCapture:
 
     def _finish(self, c: int) -> None:
         view = self.views.pop(c)
+        seen = self.captured if self.reducer is not None else self.progress.with_grad
         with self.on_compute():
-            for p in self.params.chunk_members[c]:      # trainable but no gradient yet this window
+            for p in self.params.chunk_members[c]:      # trainable but no gradient in this buffer yet
                 ref = self.params.ref(p)
-                if p.requires_grad and ref.index not in self.progress.with_grad:
+                if p.requires_grad and ref.index not in seen:
                     view[ref.slot.offset:ref.slot.end].zero_()
         if self.reducer is not None:
-            if self.progress.final_micro_batch:
-                # Data parallel: this rank's piece goes on (ReadyGradients.take) once reduced.
-                self.reducer.chunk_finished(c, view)
-            else:       # accumulating: the whole chunk waits for the window's last micro-batch
-                self.store.release((self.kind, c), "device", dirty=True)
+            # Data parallel: this rank's piece goes on (ReadyGradients.take) once reduced.
+            self.reducer.chunk_finished(c, view)
             return
         self.ready.take(c, view)

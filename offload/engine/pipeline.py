@@ -162,11 +162,6 @@ class StepPipeline:
                 self.pins.detach(c)
         else:
             self.adam.drain()
-        if self.reducer is not None and not p.reduced and p.grad_chunks:
-            # No final micro-batch ran (step() came before the configured accumulation count):
-            # the gradients are still each rank's own. Every rank has some (the same chunks).
-            self.reducer.flush()
-            p.reduced = True
         self.drop_gathered()            # the ranks update their pieces now
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call

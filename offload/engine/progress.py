@@ -28,7 +28,7 @@ class StepProgress:
         self.ready: set[int] = set()                # final gradients whose update waits for the chunk (updates)
         self.sumsq: dict[int, torch.Tensor] = {}    # chunk -> its gradients' squared L2 norm (updates)
         self.applied = False                        # an update ran during backward: step() comes next
-        self.reduced = False                        # data parallel: the gradients are reduced into the pieces
+        self.reduced = False                        # data parallel: the window's last micro-batch was reduced
 
     def new_backward(self) -> None:
         """No backward is running (the last one ended, or was abandoned)."""

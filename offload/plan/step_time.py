@@ -18,7 +18,8 @@
 * Data parallelism (sliced chunks): a rank uploads, stores and updates its 1/world piece of every
   chunk; every parameter chunk the device takes in is all-gathered whole from the pieces (in the
   forward, and again in the backward for what the device did not keep), and every gradient chunk
-  is reduce-scattered (each micro-batch), fp32. A ring moves (world - 1)/world of the whole chunk's
+  is reduce-scattered (each micro-batch; in the compute dtype without accumulation, as the engine
+  keeps autograd's gradients then, else fp32). A ring moves (world - 1)/world of the whole chunk's
   bytes through each rank's link (``Traffic.collective``, NCCL's "bus bytes"); at ``net_gbps`` that
   is the interconnect term, which overlaps compute like PCIe and NVMe do (the collectives run on
   their own thread and stream).
@@ -78,8 +79,9 @@ def traffic(mem: Memory, chunks: RankChunks, placed: ActivationPlacement, *, mic
     streamed = h2d_fwd + h2d_bwd + (k - 1) * 2 * h2d_bwd     # parameter bytes the device takes in
     # Each rank uploads its piece of every chunk streamed; the all-gather assembles the whole chunk.
     h2d_params = streamed // world
+    grad_bytes = e if k == 1 else 4       # the engine's gradient chunks: autograd's dtype, or fp32 to add into
     collective = {"all_gather": int(streamed * (world - 1) / world),
-                  "reduce_scatter": int(chunks.gathered_trained * 4 * k * (world - 1) / world)}
+                  "reduce_scatter": int(chunks.gathered_trained * grad_bytes * k * (world - 1) / world)}
     grad_spill = (k - 1) * spill["grads"]
     act_host, act_spill = placed.host_bytes * k, placed.spill_bytes * k
     moved = {

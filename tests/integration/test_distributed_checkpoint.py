@@ -1,13 +1,15 @@
-"""Checkpoints under data parallelism: saved by 2 gloo ranks, resumed by 1 process, 2 and 3 ranks.
+"""Checkpoints under data parallelism: saved by N gloo ranks (each its piece of every chunk,
+format version 3), resumed by M -- resharding by slicing: 2 -> 1, 2 -> 2, 2 -> 3, 3 -> 2, 1 -> 2.
 
 Every run sees the same *global* batch of 12 samples per step; rank r of N trains on rows
 ``r*12/N .. (r+1)*12/N`` with a mean loss, so the averaged gradient -- and so the whole run --
-does not depend on N. A 2-rank run of K+M steps saves after K; the resumed runs (1 process
-without a process group, 2 and 3 ranks) must reproduce its last M losses and its final
-parameters (fp32, atol 1e-5). Also: every rank's files verify; a corrupted shard makes every
-rank skip that checkpoint (or raise, when it is the only one) without a hang; a failure while
-one rank writes makes every rank raise and leaves the previous checkpoint current; the
-safetensors export under 2 ranks equals the single process's.
+does not depend on N. A run of K+M steps saves after K; the resumed runs (1 process without a
+process group, 2 and 3 ranks) must reproduce its last M losses and its final parameters (fp32,
+atol 1e-5). Also: every rank's files verify; a corrupted piece makes every rank skip that
+checkpoint (or raise, when it is the only one) without a hang; a checkpoint of the former
+round-robin ranks (version 2, written by hand) still resumes; a failure while one rank writes
+makes every rank raise and leaves the previous checkpoint current; the safetensors export under
+2 ranks equals the single process's.
 
 Ranks are processes started by tests/helpers/ranks.py on CPU with NVMe swap forced (small budgets,
 ``nvme_paths`` per rank); each returns its result and the test waits at most ``TIMEOUT`` seconds,
@@ -19,8 +21,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -31,6 +35,7 @@ import torch
 import offload
 import offload.checkpoint
 import offload.checkpoint.format
+from tests.helpers.old_checkpoints import rewrite
 from tests.helpers.processes import python_env
 from tests.helpers.ranks import launch
 
@@ -231,56 +236,91 @@ def assert_params_equal(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-# ---- tests ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def saved():
-    """A 2-rank run of K+M steps that saved after K: (its directory, its results). On a real
-    disk under the repository (O_DIRECT does not work on tmpfs)."""
-    import shutil
-    import tempfile
-
-    base = Path(__file__).resolve().parents[2] / ".pytest-tmp"
-    base.mkdir(exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=base))
-    try:
-        yield tmp, ok(run("train_and_save", tmp, 2))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def test_two_ranks_save_one_sharded_checkpoint(saved):
-    tmp, results = saved
-    assert all(r["dp"] == 2 for r in results), "the engine did not shard over the 2-rank group"
-    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe when saved"
-    ckpt = tmp / "ckpt" / f"step-{K:08d}"
-    assert results[0]["paths"] == results[1]["paths"] == [str(ckpt)]
-    assert (tmp / "ckpt" / "latest").read_text().strip() == ckpt.name
-    manifest = offload.checkpoint.format.read_manifest(ckpt)
-    assert manifest["world"] == 2 and manifest["version"] == offload.checkpoint.format.SHARDED_VERSION
-    for kind, info in manifest["kinds"].items():
-        assert info["files"] == [f"rank-00000/{kind}.bin", f"rank-00001/{kind}.bin"]
-        for c, entry in enumerate(info["chunks"]):
-            assert entry is not None and entry["rank"] == c % 2, (kind, c)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "rank-00000", "rank-00001"]
-    verdict = offload.checkpoint.verify_checkpoint(ckpt)
-    assert verdict.ok, verdict.problems
-    assert verdict.files == 2 * len(manifest["kinds"]) and verdict.world == 2
-    assert verdict.chunks == sum(e is not None for info in manifest["kinds"].values() for e in info["chunks"])
-    cli = subprocess.run([sys.executable, "-m", "offload", "checkpoint", "verify", str(tmp / "ckpt")],
-                         capture_output=True, text=True, env=python_env())
-    assert cli.returncode == 0, cli.stderr
-    assert f"ok       {ckpt.name}" in cli.stdout and "of 2 ranks" in cli.stdout
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_resume_at_any_world_size_continues_the_two_rank_run(saved, world):
-    tmp, reference = saved
-    results = ok(run("resume", tmp, world))
+def assert_resumes(results: list[dict], reference: list[dict]) -> None:
+    """The resumed run loaded step K and took the steps the saving run took after it."""
     assert all(r["at"] == K and not r["skipped"] for r in results)
-    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe after loading"
     torch.testing.assert_close(global_losses(results), global_losses(reference)[K:], atol=TOL, rtol=0)
     for r in results:
         assert_params_equal(r["params"], reference[0]["params"])
+
+
+# ---- tests ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_by():
+    """``saved_by(n)``: an n-rank run (one process for 1) of K+M steps that saved after K: (its
+    directory, its results); each run once per module. On a real disk under the repository
+    (O_DIRECT does not work on tmpfs)."""
+    base = Path(__file__).resolve().parents[2] / ".pytest-tmp"
+    base.mkdir(exist_ok=True)
+    runs: dict[int, tuple[Path, list[dict]]] = {}
+
+    def get(world: int) -> tuple[Path, list[dict]]:
+        if world not in runs:
+            runs[world] = (tmp := Path(tempfile.mkdtemp(dir=base)), ok(run("train_and_save", tmp, world)))
+        return runs[world]
+
+    try:
+        yield get
+    finally:
+        for tmp, _ in runs.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def saved(saved_by):
+    """The 2-rank run that saved after K."""
+    return saved_by(2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_save_their_pieces_of_every_chunk(saved_by, world):
+    tmp, results = saved_by(world)
+    assert all(r["dp"] == world for r in results), f"the engine did not shard over the {world}-rank group"
+    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe when saved"
+    ckpt = tmp / "ckpt" / f"step-{K:08d}"
+    assert all(r["paths"] == [str(ckpt)] for r in results)
+    assert (tmp / "ckpt" / "latest").read_text().strip() == ckpt.name
+    manifest = offload.checkpoint.format.read_manifest(ckpt)
+    assert manifest["world"] == world and manifest["version"] == offload.checkpoint.format.SLICED_VERSION
+    pieces = 0
+    for kind, info in manifest["kinds"].items():
+        files = [f"rank-{r:05d}/{kind}.bin" for r in range(world)]
+        assert info["files"] == files
+        for c, entry in enumerate(info["chunks"]):
+            assert entry is not None, (kind, c)
+            numel, p = entry["numel"], -(-entry["numel"] // world)
+            # Rank r's span [r*p, r*p + p) cut at the chunk's end: in its file, or zeros (moments never updated).
+            want = [(r, r * p, min(r * p + p, numel)) for r in range(world) if r * p < numel]
+            assert [(e["rank"], e["lo"], e["hi"]) for e in entry["pieces"]] == want, (kind, c)
+            for e in entry["pieces"]:
+                assert e["file"] == files[e["rank"]] if "file" in e else e["zeros"] and kind.startswith("exp_avg")
+            pieces += sum("file" in e for e in entry["pieces"])
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json"] + [f"rank-{r:05d}" for r in range(world)]
+    verdict = offload.checkpoint.verify_checkpoint(ckpt)
+    assert verdict.ok, verdict.problems
+    assert verdict.files == world * len(manifest["kinds"]) and verdict.world == world
+    assert verdict.chunks == sum(len(info["chunks"]) for info in manifest["kinds"].values())
+    assert verdict.pieces == pieces
+    cli = subprocess.run([sys.executable, "-m", "offload", "checkpoint", "verify", str(tmp / "ckpt")],
+                         capture_output=True, text=True, env=python_env())
+    assert cli.returncode == 0, cli.stderr
+    assert f"ok       {ckpt.name}" in cli.stdout and f"of {world} ranks" in cli.stdout
+
+
+@pytest.mark.parametrize("saver,world", [(2, 1), (2, 2), (2, 3), (3, 2), (1, 2)])
+def test_resume_at_any_world_size_continues_the_run_that_saved(saved_by, saver, world):
+    tmp, reference = saved_by(saver)
+    results = ok(run("resume", tmp, world))
+    assert all(r["nvme"] > 0 for r in results), "no chunk was on NVMe after loading"
+    assert_resumes(results, reference)
+
+
+def test_a_round_robin_checkpoint_of_the_former_scheme_resumes_at_three_ranks(saved_by, disk_tmp):
+    src, reference = saved_by(1)
+    shutil.copytree(src / "ckpt", disk_tmp / "ckpt")
+    rewrite(disk_tmp / "ckpt" / f"step-{K:08d}", 2, offload.checkpoint.format.SHARDED_VERSION)
+    assert offload.checkpoint.format.read_manifest(disk_tmp / "ckpt" / f"step-{K:08d}")["version"] == 2
+    assert_resumes(ok(run("resume", disk_tmp, 3)), reference)
 
 
 @pytest.mark.parametrize("evaluate", [False, True])

@@ -72,8 +72,8 @@ def test_a_model_of_one_chunk_is_sliced_over_the_ranks_and_trains_like_one_proce
 
 def test_accumulating_more_micro_batches_than_configured_is_refused_not_summed_wrongly(tmp_path):
     """Two micro-batches a step under gradient_accumulation_steps=1 (what an HF Trainer with
-    accumulation did): the first backward reduce-scatters every gradient into the pieces, so the second
-    would add to the wrong sums. With clipping the update waits for step(), so nothing else stops
+    accumulation did): the first backward ends the window (its updates may already run), so the
+    second would add to gradients already consumed. With clipping the update waits for step(), so nothing else stops
     it: the second forward is refused on every rank, naming the setting (issue 26, point 11)."""
     results = launch(WORKER, {"steps": 2, "out": str(tmp_path / "r"), "config": config(tmp_path),
                               "accumulate": 2, "clip": 1.0}, 2, tmp_path, timeout_s=120)

@@ -115,12 +115,10 @@ def slot_bytes(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def check_slices(out: list[dict], single: dict, *, nvme_forced: bool = True, whole_grads: bool = False) -> None:
+def check_slices(out: list[dict], single: dict, *, nvme_forced: bool = True) -> None:
     """The layout is one process's on every rank, and rank r keeps piece r of every chunk: its
     span, its Adam state (trainable chunks), its NVMe slots. ``nvme_forced``: the budgets are
-    below a rank's state, so pieces reached NVMe. ``whole_grads``: gradients accumulate over
-    micro-batches in whole fp32 chunks on every rank (reduce-scattered after the last), which
-    may spill: each rank also has an NVMe slot per trainable chunk for them."""
+    below a rank's state, so pieces reached NVMe."""
     world = len(out)
     used = [0] * len(single["sizes"])
     for _, c, offset, numel in single["slots"]:
@@ -141,21 +139,20 @@ def check_slices(out: list[dict], single: dict, *, nvme_forced: bool = True, who
     # Each rank's swap slots are one process's slots cut N ways (each piece's slot 4 KiB-aligned):
     # none held twice, none for the transient whole chunks.
     want = sum(slot_bytes(-(-n // world) * e) for e, n in single["nvme_slots"])
-    if whole_grads:
-        want += sum(slot_bytes(world * -(-n // world) * 4) for n, t in zip(single["sizes"], single["trainable"]) if t)
     reserved = [o["nvme_reserved"] for o in out]
     assert reserved == [want] * world, (reserved, want)
 
 
-def check_reduce_scatter_bytes(out: list[dict], single: dict, grad_bytes: int = 4) -> None:
-    """A step reduce-scatters every trainable chunk once, counted as (N-1)/N of the whole padded
-    chunk: (N-1) pieces per chunk; gathers move at least every chunk's (N-1) pieces once."""
+def check_reduce_scatter_bytes(out: list[dict], single: dict, grad_bytes: int = 4, micro_batches: int = 1) -> None:
+    """Every micro-batch reduce-scatters every trainable chunk once, counted as (N-1)/N of the
+    whole padded chunk: (N-1) pieces per chunk; gathers move at least every chunk's (N-1) pieces
+    once."""
     world = len(out)
     pieces = [-(-n // world) for n in single["sizes"]]
     trainable = sum(p for p, t in zip(pieces, single["trainable"]) if t)
     for o in out:
         by_op = o["stats"][-1]["collectives"]["by_op"]
-        assert by_op["reduce_scatter"] == (world - 1) * trainable * grad_bytes, by_op
+        assert by_op["reduce_scatter"] == micro_batches * (world - 1) * trainable * grad_bytes, by_op
         assert by_op["all_gather"] >= (world - 1) * sum(pieces) * 4, by_op
 
 
@@ -188,13 +185,15 @@ def test_a_model_in_fewer_chunks_than_ranks_gives_each_rank_a_third_of_its_one_c
 
 
 def test_gradient_accumulation_over_two_micro_batches_across_three_tiers(tmp_path):
+    """Each micro-batch's gradients are reduce-scattered and added into the fp32 pieces: a rank's
+    NVMe holds its pieces only, never the whole model's gradients."""
     want = Reference(6, accumulate=2)
     cfg = config(tmp_path, gradient_accumulation_steps=2, merge_host_tiers=False)
     single = one_process(tmp_path, cfg)
     out = run(tmp_path, 2, 6, accumulate=2, config=cfg)
     want.check(out)
-    check_slices(out, single, whole_grads=True)
-    check_reduce_scatter_bytes(out, single)     # the last micro-batch alone reduces
+    check_slices(out, single)
+    check_reduce_scatter_bytes(out, single, micro_batches=2)
 
 
 def test_max_grad_norm_clipping_uses_the_norm_of_all_ranks_pieces(tmp_path):
