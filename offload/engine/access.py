@@ -16,6 +16,7 @@ import torch
 from ..chunks.access import ChunkInfo, ParamInfo, StepState
 from ..chunks.states import ChunkState
 from ..errors import ConfigError, OffloadError
+from ..tiers.nvme import SLOT_ALIGN
 
 
 class EngineChunks:
@@ -98,7 +99,8 @@ class EngineChunks:
         self.write(kind, c, self._params.piece_of(c, values.reshape(-1)))
 
     def staging(self, nbytes: int, count: int = 1) -> list[torch.Tensor]:
-        return self._engine.store.staging_buffers(nbytes, count)
+        # Whole 4 KiB blocks: a chunk's 1/N piece is read straight from NVMe by its slot's blocks.
+        return self._engine.store.staging_buffers(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN, count)
 
     def gather(self, params: Iterable[torch.Tensor] | None = None, kind: str | None = None) -> dict[int, torch.Tensor]:
         return self._engine.params.gather_all(kind, None if params is None else list(params))

@@ -8,7 +8,7 @@ directory out), ``lora``, ``describe`` (a model's shape for the planner), ``outp
 fine-tuning run writes at its end: the source's dtype and config unless asked), ``preset`` (a
 from-scratch ``offload.models.llama`` model as a transformers Llama). Chunk I/O for weight files, through the chunk interface
 (``engine.chunks``): ``safetensors_export`` (``offload.export_safetensors``, streamed shards),
-``chunk_source`` (an export's chunks from their owner ranks), ``safetensors_load``
+``chunk_source`` (an export's chunks gathered from the ranks' pieces), ``safetensors_load``
 (``offload.load_safetensors``), ``chunk_fill`` (a chunk's values assembled from tensors).
 ``accelerate_ranks``: HF Trainer and accelerate on N ranks (a model ``offload.wrap`` shards needs
 no DDP, and they are told so).

@@ -1,10 +1,13 @@
-"""Filling a chunk from weight files: its fp32 values assembled, then its ``param`` (and fp32
-``master``) state written once.
+"""Filling a chunk from weight files: the fp32 values of this rank's piece assembled, then its
+``param`` (and fp32 ``master``) state written once.
 
 Both loaders of Hugging Face weights (``load.stream_into``, ``safetensors_load``) go through here:
-``chunk_values`` gives a chunk's values to overwrite where the loaded tensors lie, the caller
-copies each tensor in, and ``write_chunk_values`` writes the chunk. A rank fills only the chunks
-it keeps (``ChunkInfo.kept``).
+``chunk_values`` gives the values of this rank's piece of a chunk (``ChunkInfo.span``; the whole
+chunk in one process) to overwrite where the loaded tensors lie, ``overlap`` says which elements
+of each tensor fall in the piece and where, the caller copies those in, and ``write_chunk_values``
+writes the piece. Under N ranks every rank fills its own piece of every chunk and reads only the
+rows of the tensors that overlap it: about 1/N of the weights per rank (plus, per chunk, at most
+a row at either end of its span), instead of whole chunks.
 """
 
 from __future__ import annotations
@@ -12,25 +15,44 @@ from __future__ import annotations
 import torch
 
 from ..chunks.access import ChunkAccess, ChunkInfo
+from ..chunks.layout import ParamSlot
 from ..errors import StateError
+from ..tiers.nvme import SLOT_ALIGN
+
+
+def overlap(slot: ParamSlot, span: tuple[int, int]) -> tuple[int, int, int] | None:
+    """``(lo, hi, at)``: the flat elements ``lo:hi`` of parameter ``slot`` that lie in the chunk
+    elements ``span`` (a rank's piece), to be copied to offset ``at`` of the piece; None when none do."""
+    a, b = max(slot.offset, span[0]), min(slot.end, span[1])
+    if a >= b:
+        return None
+    return a - slot.offset, b - slot.offset, a - span[0]
+
+
+def piece_staging(chunks: ChunkAccess, nbytes: int) -> torch.Tensor:
+    """A ``chunks.staging`` buffer to ``read`` pieces of up to ``nbytes`` bytes into, rounded up to
+    whole NVMe blocks: a piece read straight from NVMe fills its whole slot, and a 1/N piece need
+    not end on a block."""
+    return chunks.staging(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)[0]
 
 
 def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], staging: dict) -> torch.Tensor:
-    """Chunk ``info``'s fp32 values (``info.numel`` elements), to be overwritten where the
-    parameters named in ``covered`` lie: zeros when they are all of its parameters (padding stays
-    zero), else its current values.
+    """The fp32 values of this rank's piece of chunk ``info`` (``info.span``: ``hi - lo``
+    elements), to be overwritten where the parameters named in ``covered`` lie: zeros when they
+    are all of its parameters that reach into the piece (padding stays zero), else its current values.
 
     ``staging`` holds buffers reused from chunk to chunk (fresh allocations per chunk leave the
-    heap fragmented and the process's RSS growing), sized for the largest chunk."""
-    c, n = info.index, info.numel
+    heap fragmented and the process's RSS growing), sized for the largest piece."""
+    c, (lo, hi) = info.index, info.span
+    n = hi - lo
     compute = chunks.kinds["param"]
     kind = "master" if "master" in info.kinds else "param"       # "param" for a frozen chunk or fp32 compute
     if "master" not in staging:
-        largest = chunks.layout.largest_chunk
-        staging["master"] = chunks.staging(largest * 4)[0]
+        largest = max((i.piece_numel for i in chunks.chunks()), default=0)
+        staging["master"] = piece_staging(chunks, largest * 4)
         if compute != torch.float32:
             staging["param"] = torch.empty(largest, dtype=compute, device="cpu")
-    if all(s.name in covered for s in info.params):
+    if all(s.name in covered for s in info.params if overlap(s, info.span) is not None):
         return staging["master"][: n * 4].view(torch.float32).zero_()
     if kind == "master" or compute == torch.float32:
         return _read(chunks, kind, c, staging["master"])
@@ -39,8 +61,8 @@ def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], stagin
 
 
 def write_chunk_values(chunks: ChunkAccess, info: ChunkInfo, master: torch.Tensor, staging: dict) -> None:
-    """Write chunk ``info``'s param state (and its fp32 master, when it has one) from ``master``
-    (fp32, ``info.numel`` elements; ``staging`` as ``chunk_values`` filled it)."""
+    """Write this rank's piece of chunk ``info``'s param state (and its fp32 master, when it has
+    one) from ``master`` (fp32, the piece's elements; ``staging`` as ``chunk_values`` filled it)."""
     c = info.index
     if "master" in info.kinds:
         chunks.write("master", c, master)

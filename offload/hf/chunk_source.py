@@ -1,11 +1,14 @@
-"""Chunk values for an export (``export_safetensors``), read from whichever rank keeps them.
+"""Chunk values for an export (``export_safetensors``), gathered from the ranks' pieces.
 
 In a single process ``read(c)`` is the chunk interface's ``read``. Under data parallelism every rank
 exports together and only rank 0 writes: the ranks walk the same sequence of chunks (the
-export's plan does not depend on the rank), and for each one its owner reads it and sends it
-to rank 0 -- one chunk in flight, not the whole model. Each chunk first passes a small
-all-gather of failure flags: a failed read on the owner, or a failed write on rank 0
-(``fail``), makes every rank raise at the same point instead of leaving the others waiting.
+export's plan does not depend on the rank), and for each one every rank reads its piece
+(``ChunkInfo.span``) and sends it to rank 0, which lays the pieces end to end -- one chunk in
+flight, not the whole model; the other ranks never hold more than their piece. Each chunk first
+passes a small all-gather of failure flags: a failed read of a piece on any rank, or a failed
+write on rank 0 (``fail``), makes every rank raise at the same point instead of leaving the others
+waiting. (``chunks.read_full`` would all-gather the whole chunk onto every rank, and a rank whose
+read failed would leave the others waiting in it.)
 """
 
 from __future__ import annotations
@@ -15,20 +18,25 @@ import torch
 from ..checkpoint.ranks import PeerFailed, Ranks, peer_error, report
 from ..chunks.access import ChunkAccess
 from ..errors import StateError
+from .chunk_fill import piece_staging
 
 
 class ChunkSource:
     """``read(c)``: chunk ``c`` of kind ``source`` (a frozen chunk's parameters when it has no
-    master) as a CPU tensor, on rank 0; None on the other ranks, which only serve their chunks."""
+    master) as a CPU tensor of its ``numel`` elements, on rank 0; None on the other ranks, which
+    only send their pieces."""
 
     def __init__(self, chunks: ChunkAccess, source: str):
         self.chunks = chunks
         self.info = chunks.chunks()
         self.source = source
         self.ranks = Ranks(chunks.sharding)
-        # The same size on every rank (rank 0 receives what the others read).
-        nbytes = max((i.nbytes(self.kind(i.index)) for i in self.info), default=0)
-        self.staging = chunks.staging(nbytes)[0]
+        # The largest piece (the whole chunk in one process), the same size on every rank.
+        piece = max((i.piece_nbytes(self.kind(i.index)) for i in self.info), default=0)
+        self.staging = piece_staging(chunks, piece)
+        self.whole = torch.empty(self.ranks.world * piece, dtype=torch.uint8) \
+            if self.ranks.sharded and self.ranks.lead else None
+        self.stopped = False        # every rank raised at the same agreement: no collective follows
 
     def kind(self, c: int) -> str:
         return self.source if self.source in self.info[c].kinds else "param"
@@ -37,26 +45,19 @@ class ChunkSource:
         kind = self.kind(c)
         if not self.ranks.sharded:
             return self._read(kind, c)
-        owner = self.info[c].owner
-        data, error = None, None
-        if self.ranks.rank == owner:
-            try:
-                data = self._read(kind, c)
-            except Exception as exc:
-                error = exc
-        self._agree(error, f"exporting chunk {kind}[{c}] (owner rank {owner})")
-        dtype = self.info[c].kinds[kind]
-        numel = self.info[c].numel
-        if owner == 0:
-            return data if self.ranks.lead else None
-        if self.ranks.rank == owner:
-            _send(data.reshape(-1).view(torch.uint8), 0, self.ranks.group)
-            return None
-        if self.ranks.lead:
-            buf = self.staging[: numel * dtype.itemsize]
-            _recv(buf, owner, self.ranks.group)
-            return buf.view(dtype)
-        return None
+        piece, error = None, None
+        try:
+            piece = self._read(kind, c)
+        except Exception as exc:
+            error = exc
+        self._agree(error, f"exporting chunk {kind}[{c}]")
+        info = self.info[c]
+        dtype = info.kinds[kind]
+        nbytes = piece.numel() * dtype.itemsize
+        out = None if self.whole is None else self.whole[: self.ranks.world * nbytes]
+        _gather(piece.reshape(-1).view(torch.uint8), out, self.ranks)
+        # Pieces past the chunk's end are padding: dropped.
+        return None if out is None else out.view(dtype)[: info.numel]
 
     def follow(self, order: list[int]) -> None:
         """A rank other than 0: serve the chunks of ``order`` (the order rank 0 reads them), then ``finish``."""
@@ -65,8 +66,9 @@ class ChunkSource:
         self.finish()
 
     def fail(self, error: BaseException) -> None:
-        """Rank 0 failed outside ``read`` (writing a file): stop every rank, raise ``error``."""
-        if self.ranks.sharded:
+        """Rank 0 failed outside ``read`` (writing a file): stop every rank, raise ``error``.
+        (An error that ``read`` raised on every rank together has stopped them already.)"""
+        if self.ranks.sharded and not self.stopped:
             self._agree(error, "writing the export")
         raise error
 
@@ -76,6 +78,7 @@ class ChunkSource:
             self._agree(None, "writing the export")
 
     def _read(self, kind: str, c: int) -> torch.Tensor:
+        """This rank's piece of chunk ``c`` (the whole chunk in one process)."""
         values = self.chunks.read(kind, c, self.staging)
         if values is None:
             raise StateError(f"chunk {(kind, c)} holds no data")
@@ -92,6 +95,7 @@ class ChunkSource:
         dist.all_gather(flags, mine, group=self.ranks.group)
         if not any(int(f.item()) for f in flags):
             return
+        self.stopped = True
         reports = self.ranks.gather(None if error is None else report(error))
         if error is not None:
             raise error
@@ -107,27 +111,24 @@ def _device(group):
     return None if device.type == "cpu" else device
 
 
-def _send(data: torch.Tensor, dst: int, group) -> None:
+def _gather(piece: torch.Tensor, out: torch.Tensor | None, ranks: Ranks) -> None:
+    """Every rank's ``piece`` (bytes, the same size on every rank) into rank 0's ``out``, in rank order."""
     import torch.distributed as dist
 
-    device = _device(group)
-    dist.send(data if device is None else data.to(device), dst=_global(dst, group), group=group)
-
-
-def _recv(buf: torch.Tensor, src: int, group) -> None:
-    import torch.distributed as dist
-
-    device = _device(group)
-    if device is None:
-        dist.recv(buf, src=_global(src, group), group=group)
-        return
-    tmp = torch.empty_like(buf, device=device)
-    dist.recv(tmp, src=_global(src, group), group=group)
-    buf.copy_(tmp)
+    device = _device(ranks.group)
+    n = piece.numel()
+    send = piece if device is None else piece.to(device)
+    into = None
+    if ranks.lead:
+        into = out if device is None else torch.empty_like(out, device=device)
+    parts = None if into is None else [into[r * n:(r + 1) * n] for r in range(ranks.world)]
+    dist.gather(send, parts, dst=_global(0, ranks.group), group=ranks.group)
+    if into is not None and device is not None:
+        out.copy_(into)
 
 
 def _global(rank: int, group) -> int:
-    """torch.distributed's point-to-point calls take global ranks, even with a ``group``."""
+    """torch.distributed's rooted calls (``gather``'s ``dst``) take global ranks, even with a ``group``."""
     import torch.distributed as dist
 
     return rank if group is None else dist.get_global_rank(group, rank)

@@ -27,7 +27,7 @@ from torch import nn
 from ..checkpoint import persistent_buffers
 from ..config import OffloadConfig
 from ..errors import ConfigError, OffloadError
-from .chunk_fill import chunk_values, write_chunk_values
+from .chunk_fill import chunk_values, overlap, write_chunk_values
 from .tensor_files import FLOAT_DTYPES, INDEX, SINGLE, one_line
 
 
@@ -280,7 +280,9 @@ def load_pretrained(directory: str | os.PathLike, config: OffloadConfig | None =
 
 def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) -> None:
     """Write each source into its chunk (or buffer); a plain checkpoint tensor is read a block at a
-    time (``tensor_files.copy_tensor``), a converted one (fused experts) as its converter's group."""
+    time (``tensor_files.copy_tensor``), a converted one (fused experts) as its converter's group.
+    Under N ranks a rank writes its piece of every chunk and reads only what falls in it (a
+    converted group whole, as its converter needs it)."""
     chunks = model.offload_engine.chunks
     chunks.drain()
     chunked: dict[int, list] = {}
@@ -299,11 +301,17 @@ def stream_into(model: nn.Module, where: dict[tuple[nn.Module, str], object]) ->
         staging: dict[str, torch.Tensor] = {}
         for c in sorted(chunked):
             info = chunks.chunks()[c]
-            if not info.kept:
-                continue        # under several ranks, each fills the chunks it owns
+            # Under several ranks each fills its own piece of every chunk (``info.span``), reading
+            # only the rows of the tensors that reach into it.
+            parts = [(source, overlap(slot, info.span)) for slot, source in chunked[c]]
             # A chunk that also holds values from elsewhere (LoRA adapters copied in by ``wrap``)
-            # is read first; padding stays zero (``chunk_fill.chunk_values``).
+            # is read first; padding stays zero (``chunk_fill.chunk_values``). A piece that none
+            # of the tensors reaches (padding at a chunk's end) is written too: it must hold data.
             master = chunk_values(chunks, info, {slot.name for slot, _ in chunked[c]}, staging)
-            for slot, source in chunked[c]:
-                source.copy_into(master[slot.offset:slot.end])
+            for source, part in parts:
+                if part is None:
+                    source.skip()
+                    continue
+                lo, hi, at = part
+                source.copy_into(master[at:at + hi - lo], lo, hi)
             write_chunk_values(chunks, info, master, staging)

@@ -11,7 +11,7 @@ plain safetensors (8-byte little-endian header length, JSON header padded with s
 multiple of 8, then the data), checked in the tests by reading them with the ``safetensors``
 package. Tied parameters are written once, under the first name ``named_parameters()`` gives.
 A wrapped model's values come through its chunk interface (``engine.chunks``; under data
-parallelism from each chunk's owner: ``chunk_source``). ``safetensors_load`` reads such files back.
+parallelism gathered chunk by chunk from every rank's piece: ``chunk_source``). ``safetensors_load`` reads such files back.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     several (``pick(value)`` gives each from the tensor's value), e.g. a fused expert tensor as one
     tensor per expert; None: as it is.
     Under data parallelism every rank calls it with the same arguments; rank 0 writes the files
-    (chunks come to it from their owners one at a time: ``chunk_source``), the others
+    (each chunk gathered to it from the ranks' pieces, one at a time: ``chunk_source``), the others
     return once they are written; an error on any rank raises on all.
     """
     engine = engine_of(model)
@@ -162,7 +162,7 @@ def export_safetensors(model, directory: str | os.PathLike, *, max_shard_bytes: 
     names = shard_names(len(shards))
     values = None if chunks is None else ChunkSource(chunks, source)
     if values is not None and not values.ranks.lead:
-        values.follow(_chunk_order(shards))      # rank 0 writes; this rank serves the chunks it keeps
+        values.follow(_chunk_order(shards))      # rank 0 writes; this rank sends its pieces
         return [root / f for f in names]
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@
 ``load_safetensors(model, path)`` reads the shards ``export_safetensors`` writes (or any
 safetensors file or directory of them) with ``safetensors.safe_open`` one tensor at a time and
 writes them into the chunks (compute-precision ``param`` and fp32 ``master``), each chunk written
-once after all of its tensors are in (``chunk_fill``). It also works on a model that is not
-wrapped (then it copies into the parameters). Errors name the file and the tensor.
+once after all of its tensors are in (``chunk_fill``). Under N ranks each rank writes its piece of
+every chunk and reads only the rows of the tensors that reach into it. It also works on a model
+that is not wrapped (then it copies into the parameters). Errors name the file and the tensor.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 from ..checkpoint import persistent_buffers
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
-from .chunk_fill import chunk_values, write_chunk_values
-from .tensor_files import INDEX, SINGLE
+from .chunk_fill import chunk_values, overlap, write_chunk_values
+from .tensor_files import INDEX, SINGLE, copy_rows
 
 
 def _safetensors():
@@ -134,6 +135,16 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
         except Exception as exc:
             raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
 
+    def rows(file: Path, name: str):
+        """``rows(r0, r1)``: rows ``r0:r1`` of the tensor (read alone, through the open file's map)."""
+        def read(r0: int, r1: int | None) -> torch.Tensor:
+            try:
+                sl = handle(file).get_slice(name)
+                return sl[r0:r1] if sl.get_shape() else handle(file).get_tensor(name)
+            except Exception as exc:
+                raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
+        return read
+
     try:
         # Check every shape before writing anything.
         places = {pid: chunks.param(by_id[pid]) if chunks is not None else None for pid in wanted}
@@ -169,9 +180,7 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
         with torch.no_grad():
             for i, (c, members) in enumerate(work):
                 if c is not None:
-                    info = chunks.chunks()[c]
-                    if info.kept:       # under several ranks, each loads the chunks it owns
-                        _load_chunk(chunks, info, members, tensor, staging)
+                    _load_chunk(chunks, chunks.chunks()[c], members, rows, staging)
                 else:
                     p, name, file = members[0]
                     value = tensor(file, name)
@@ -190,10 +199,15 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
     return {"loaded": loaded, "missing": missing, "unexpected": sorted(unexpected)}
 
 
-def _load_chunk(chunks, info, members: list, tensor, staging: dict) -> None:
-    """Fill chunk ``info``'s fp32 values from ``members`` (``(slot, tensor name, file)``) and
-    write its param (+ master) state once."""
+def _load_chunk(chunks, info, members: list, rows, staging: dict) -> None:
+    """Fill this rank's piece of chunk ``info`` (the whole chunk in one process) from ``members``
+    (``(slot, tensor name, file)``), reading only the rows that reach into it, and write its param
+    (+ master) state once."""
+    parts = [(slot, name, file, overlap(slot, info.span)) for slot, name, file in members]
+    # A piece that none of the tensors reaches (padding at a chunk's end) is written too.
     master = chunk_values(chunks, info, {slot.name for slot, _, _ in members}, staging)
-    for slot, name, file in members:
-        master[slot.offset:slot.end].copy_(tensor(file, name).reshape(-1))
+    for slot, name, file, part in parts:
+        if part is not None:
+            lo, hi, at = part
+            copy_rows(master[at:at + hi - lo], slot.shape, rows(file, name), lo, hi)
     write_chunk_values(chunks, info, master, staging)

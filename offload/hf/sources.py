@@ -35,8 +35,12 @@ class Direct:
     def where(self) -> str:
         return f"{self.file}: tensor {self.name!r}"
 
-    def copy_into(self, dst: torch.Tensor) -> None:
-        copy_tensor(dst, self.file, self.name, self.shape)
+    def copy_into(self, dst: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Its flat elements ``lo:hi`` (default all) into ``dst``; only the rows holding them are read."""
+        copy_tensor(dst, self.file, self.name, self.shape, lo, hi)
+
+    def skip(self) -> None:
+        """None of its elements are wanted (they lie in other ranks' pieces)."""
 
 
 @dataclass(eq=False)
@@ -49,6 +53,8 @@ class Group:
     sources: list = field(default_factory=list)      # (checkpoint name, source pattern, file, shape)
     outputs: dict | None = None                      # model name -> tensor, while being loaded
     pending: set = field(default_factory=set)
+    finished: set = field(default_factory=set)       # outputs already done with (a rank that needs
+                                                     # none of their elements never converts for them)
 
     def where(self) -> str:
         files = sorted({str(f) for _, _, f, _ in self.sources})
@@ -72,12 +78,13 @@ class Group:
     def value(self, target: str) -> torch.Tensor:
         if self.outputs is None:
             self.outputs = self._convert(lambda n, f, s: read_rows(f, n, 0))
-            self.pending = set(self.outputs)
+            self.pending = set(self.outputs) - self.finished
         return self.outputs[target]
 
     def done(self, target: str) -> None:
+        self.finished.add(target)
         self.pending.discard(target)
-        if not self.pending:
+        if self.outputs is not None and not self.pending:
             self.outputs = None          # the group's tensors leave memory
 
 
@@ -92,12 +99,19 @@ class Converted:
     def where(self) -> str:
         return self.group.where()
 
-    def copy_into(self, dst: torch.Tensor) -> None:
+    def copy_into(self, dst: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Its flat elements ``lo:hi`` (default all) into ``dst``. The converter needs the group's
+        source tensors whole, so they are read whole."""
         value = self.group.value(self.target)
         if tuple(value.shape) != self.shape:
             raise OffloadError(f"{self.where()}: conversion gave {list(value.shape)} for {self.target!r}, "
                                f"expected {list(self.shape)}")
-        dst.copy_(value.reshape(-1))
+        dst.copy_(value.reshape(-1)[lo:hi])
+        self.group.done(self.target)
+
+    def skip(self) -> None:
+        """None of its elements are wanted (they lie in other ranks' pieces): the group is not
+        converted for it, and forgets it once converted for the others."""
         self.group.done(self.target)
 
 

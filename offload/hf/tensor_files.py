@@ -41,14 +41,34 @@ def read_rows(file: Path, name: str, start: int, stop: int | None = None) -> tor
         raise OffloadError(f"{file}: tensor {name!r} cannot be read ({one_line(exc)})") from exc
 
 
-def copy_tensor(dst: torch.Tensor, file: Path, name: str, shape: tuple[int, ...]) -> None:
-    """Copy checkpoint tensor ``name`` into the flat ``dst`` (converting its dtype), ``BLOCK_BYTES``
-    of rows at a time."""
+def copy_tensor(dst: torch.Tensor, file: Path, name: str, shape: tuple[int, ...], lo: int = 0,
+                hi: int | None = None) -> None:
+    """Copy elements ``lo:hi`` (flat, row-major; default all) of checkpoint tensor ``name`` into
+    the flat ``dst`` of ``hi - lo`` elements (converting its dtype), ``BLOCK_BYTES`` of rows at a time."""
+    copy_rows(dst, shape, lambda r0, r1: read_rows(file, name, r0, r1), lo, hi)
+
+
+def copy_rows(dst: torch.Tensor, shape: tuple[int, ...], rows, lo: int = 0, hi: int | None = None) -> int:
+    """Copy flat elements ``lo:hi`` of a tensor of ``shape`` into ``dst`` (``hi - lo`` elements),
+    reading it through ``rows(r0, r1)`` (its rows ``r0:r1``; a scalar tensor whole) in blocks of
+    about ``BLOCK_BYTES``: only the rows that hold part of ``lo:hi`` are read (a safetensors slice
+    reads just those bytes), so a rank loading its piece of a chunk reads its share of the file,
+    plus at most one row at either end. Returns the number of elements read."""
+    numel = math.prod(shape)
+    hi = numel if hi is None else hi
+    if not 0 <= lo <= hi <= numel:
+        raise OffloadError(f"elements {lo}:{hi} are outside a tensor of shape {list(shape)} ({numel} elements)")
+    if hi == lo:
+        return 0
     if not shape:
-        dst.copy_(read_rows(file, name, 0).reshape(-1))
-        return
+        dst.copy_(rows(0, None).reshape(-1)[lo:hi])
+        return 1
     row = math.prod(shape[1:])
     per = max(1, BLOCK_BYTES // max(4 * row, 1))          # 4 B: fp32, the widest usual dtype
-    for r0 in range(0, shape[0], per):
-        r1 = min(shape[0], r0 + per)
-        dst[r0 * row:r1 * row].copy_(read_rows(file, name, r0, r1).reshape(-1))
+    first, last = lo // row, -(-hi // row)
+    for r0 in range(first, last, per):
+        r1 = min(last, r0 + per)
+        block = rows(r0, r1).reshape(-1)
+        a, b = max(lo, r0 * row), min(hi, r1 * row)
+        dst[a - lo:b - lo].copy_(block[a - r0 * row:b - r0 * row])
+    return (last - first) * row

@@ -91,21 +91,6 @@ class Trainer:
                                                      f"{self.checkpoints.directory}")
         return given if given is not None else saved
 
-    def say_idle_ranks(self) -> None:
-        """A note when some rank owns no trainable chunk (a layout of fewer chunks than ranks: a
-        checkpoint written by fewer ranks keeps its layout, or --chunk-size): those ranks do no
-        Adam and hold no optimizer state, the others all of it."""
-        chunks = self.model.offload_engine.chunks
-        if not self.ranks.many:
-            return
-        owners = {c.owner for c in chunks.chunks() if c.trainable}
-        idle = [r for r in range(self.ranks.world) if r not in owners]
-        if idle:
-            saved = self.checkpoints.saved_chunk_size()
-            why = f"the checkpoint's chunk size, {saved} elements" if saved else f"chunks of {chunks.layout.chunk_size}"
-            self.say(f"finetune: note: {len(owners)} trainable chunk(s) over {self.ranks.world} ranks ({why}): "
-                     f"rank(s) {', '.join(map(str, idle))} own none, so the others run every update")
-
     def build_data(self):
         """(tokenizer or None for byte ids, the tokenized data set ``offload.data.Dataset``)."""
         return inputs.load_dataset(self.config, self.shape.vocab_size, self.seq)
@@ -348,7 +333,6 @@ class Trainer:
                 start = self.done = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.batches)
             self.say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; "
                      f"{self.model.offload_engine.chunks.layout}")
-            self.say_idle_ranks()
             self.flops_per_token = flops_per_token(self.shape, self.seq)
             self.metrics = self.build_metrics()
             t_start = time.perf_counter()

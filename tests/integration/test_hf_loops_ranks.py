@@ -52,10 +52,11 @@ def test_two_ranks_train_like_one_process(disk_tmp, loop, accumulate):
     assert_losses_within_drift(mean_losses(out), ref["losses"], exact["losses"])
     for o in out:                       # the state_dict gathers every chunk on every rank
         assert_within_drift(o["state"], ref["state"], exact["state"])
-        assert o["kept"] >= 1 and o["nvme_bytes"] > 0, o["nvme_bytes"]
-    assert sum(o["kept"] for o in out) == out[0]["chunks"]
+        assert o["nvme_bytes"] > 0, o["nvme_bytes"]
+    # Every rank keeps an equal piece of every chunk ("kept": its elements), none is idle.
+    assert out[0]["kept"] == out[1]["kept"] > 0
     # Saved the way the README says under N ranks (every rank exports; rank 0 writes): the weights
-    # the ranks trained, each from its owner.
+    # the ranks trained, gathered from their pieces.
     saved = {}
     for f in export.glob("*.safetensors"):
         saved.update(load_file(f))
