@@ -2,11 +2,13 @@
 (tests/helpers/ranks.py) calls ``main(spec)`` in each rank's process.
 
 spec: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
-"out": path prefix, "seed", "checkpointing", "backend", "set_device"}. Each rank trains TinyGPT
-on its 1/N slice of the same global batches the single-process reference sees and writes
-``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the chunks
-of the layout and how many this rank keeps, the warnings wrap gave, and (every rank, through
-the collective state_dict) the final fp32 parameters.
+"out": path prefix, "seed", "checkpointing", "backend", "set_device", "vocab", "freeze"}. Each
+rank trains TinyGPT (``vocab`` tokens: a large one makes the embedding an oversized chunk) on its
+1/N slice of the same global batches the single-process reference sees and writes
+``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the chunk layout
+(``sizes``, ``slots``) and this rank's ``spans`` of it, the elements of Adam state it holds per
+trainable chunk (``adam_elems``: what its CPU Adam updates), the warnings wrap gave, and (every
+rank, through the collective state_dict) the final fp32 parameters.
 ``fail_at``: [rank, step] — that rank raises inside backward then. ``backend``: "gloo" (default)
 or "nccl" (a GPU per rank; ``set_device``: the worker makes cuda:LOCAL_RANK current itself, as
 torchrun scripts should, else the engine has to).
@@ -57,7 +59,7 @@ def main(spec: dict) -> None:
         model.model.gradient_checkpointing = True
     else:
         layers = 3 if spec.get("odd_rank_differs") and rank % 2 else 4
-        model = TinyGPT(checkpointing=spec.get("checkpointing", True), layers=layers)
+        model = TinyGPT(checkpointing=spec.get("checkpointing", True), layers=layers, vocab=spec.get("vocab", 64))
     for name, p in model.named_parameters():
         if any(name.startswith(f) for f in spec.get("freeze", ())):
             p.requires_grad_(False)
@@ -71,7 +73,7 @@ def main(spec: dict) -> None:
                         max_grad_norm=spec.get("clip"))
     accumulate = spec.get("accumulate", 1)
     fail_rank, fail_step = spec.get("fail_at") or (None, None)
-    vocab = 256 if llama else 64
+    vocab = 256 if llama else spec.get("vocab", 64)
     data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4), vocab=vocab))
     losses, stats = [], []
     preempt = None
@@ -113,13 +115,22 @@ def main(spec: dict) -> None:
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     engine = model.offload_engine
     nvme = engine.store.tiers.get("nvme")
+    chunks = engine.chunks
+    chunks.drain()
+    # This rank's Adam state: the exp_avg it keeps of each trainable chunk (None: none yet).
+    adam_elems = {}
+    for info in chunks.chunks():
+        held = chunks.read("exp_avg", info.index) if "exp_avg" in info.kinds else None
+        adam_elems[info.index] = None if held is None else held.numel()
     torch.save({"losses": losses, "stats": stats, "state": state, "init_state": init_state, "step_count": engine.step_count,
                 "skipped": engine.scaler.skipped if engine.scaler is not None else 0,
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
                 "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else [],
                 "device": str(engine.device),
-                "chunks": engine.chunks.layout.num_chunks, "kept": sum(i.piece_numel for i in engine.chunks.chunks()),
-                "spans": [i.span for i in engine.chunks.chunks()],
+                "chunks": chunks.layout.num_chunks, "kept": sum(i.piece_numel for i in chunks.chunks()),
+                "sizes": tuple(chunks.layout.sizes),
+                "slots": [(s.name, s.chunk, s.offset, s.numel) for s in chunks.layout.slots],
+                "spans": [tuple(info.span) for info in chunks.chunks()], "adam_elems": adam_elems,
                 "current_device": torch.cuda.current_device() if engine.device.type == "cuda" else None,
                 "warnings": [str(w.message) for w in caught]},
                f"{spec['out']}.rank{rank}.pt")

@@ -34,12 +34,13 @@ def make_models(checkpointing=True, seed=0):
     return ref, copy.deepcopy(ref)
 
 
-def run_reference(ref, steps, *, accumulate=1, clip=None, skip=(), batch=4) -> list[float]:
+def run_reference(ref, steps, *, accumulate=1, clip=None, skip=(), batch=4, vocab=64) -> list[float]:
     """Train ``ref`` with torch's AdamW (steps in ``skip`` are skipped, as an fp16 overflow
-    skips them); each step's loss, summed over its ``accumulate`` micro-batches."""
+    skips them) on ``batches`` of ``vocab`` tokens; each step's loss, summed over its
+    ``accumulate`` micro-batches. Frozen parameters (no gradient) are left alone by AdamW."""
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     losses = []
-    data = iter(batches(steps * accumulate, batch=batch))
+    data = iter(batches(steps * accumulate, batch=batch, vocab=vocab))
     for step in range(steps):
         total = 0.0
         for _ in range(accumulate):

@@ -1,10 +1,11 @@
-"""The data-parallel prefetch never holds up the thread that asked for a group.
+"""The data-parallel prefetch of per-chunk all-gathers never holds up the thread that asked for a chunk.
 
-After ``ensure(c)`` has the current group, it starts gathering the group the trace says comes
-next. That group's own chunk may still be in its Adam update from the last step (or on NVMe): the
-demanding thread must not wait for it there, before the current group's compute is even queued.
-A real engine, a real one-rank gloo group and the engine's real Adam worker; the next chunk's
-update is held by an event until ``ensure`` has returned.
+After ``ensure(c)`` has chunk ``c`` gathered, it starts all-gathering the chunk the trace says
+comes next. This rank's piece of that chunk may still be in its Adam update from the last step
+(or on NVMe): the demanding thread must not wait for it there, before the current chunk's compute
+is even queued. A real engine, a real one-rank gloo group (a piece is the whole chunk there) and
+the engine's real Adam worker; the next chunk's update is held by an event until ``ensure`` has
+returned.
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from torch import nn
 import offload
 from offload.distributed import Sharding
 from offload.distributed.comms import Collectives
-from offload.distributed.gather import GroupGather
+from offload.distributed.gather import ChunkGather
 
 HELD_S = 5.0        # how long the held update waits for ensure() before giving up
 
 
-def gather_for(engine, comms) -> GroupGather:
-    """A gather over ``engine``'s chunks, wired as the engine wires its own (nothing waits to be
-    submitted here, so a collective done with a chunk has no update to let go)."""
-    return GroupGather(comms, engine.store, engine.layout, tier=engine.pins.tier,
-                       in_use=engine.pins.pinned, wait_for_update=engine.adam.wait_for,
-                       on_sent=lambda c: None)
+def gather_for(engine, comms) -> ChunkGather:
+    """A gather over ``engine``'s chunks, wired as the engine wires its own under several ranks:
+    its ``param`` records are the pieces, and each chunk is gathered into a ``gathered`` record of
+    the whole chunk, registered as the engine registers it (no NVMe slot). Nothing waits to be
+    submitted here, so a collective done with a piece has no update to let go."""
+    sizes = {c: engine.layout.chunk_numel(c) for c in range(engine.layout.num_chunks)}
+    engine.store.register_chunks("gathered", sizes, engine.chunks.kinds["param"], nvme=False)
+    return ChunkGather(comms, engine.store, tier=engine.pins.tier, in_use=engine.pins.pinned,
+                       wait_for_update=engine.adam.wait_for, on_sent=lambda c: None)
 
 
 @pytest.fixture
@@ -78,7 +82,7 @@ def test_ensure_returns_while_the_next_groups_update_is_still_running(one_rank_g
     monkeypatch.setattr(engine.adam, "update", held_update)
     engine.adam.submit(1, [], 1.0)          # chunk 1's update from the last step, still running
     try:
-        gather.ensure(0)                    # starts gathering group 1 ahead
+        gather.ensure(0)                    # starts gathering chunk 1 ahead
         events.append("ensure(0) returned")
         assert gather.holds(1)              # its update may not start again while the gather reads it
         let_go.set()
@@ -95,7 +99,7 @@ def test_ensure_returns_while_the_next_groups_update_is_still_running(one_rank_g
 
 def test_a_failed_prefetch_is_reported_to_the_thread_that_needs_the_group(one_rank_group, engine, monkeypatch):
     """The prefetch runs elsewhere; its error (here the optimizer's, met while waiting for the
-    update) reaches the thread that asks for the group, not a log."""
+    update) reaches the thread that asks for the chunk, not a log."""
     comms = Collectives(Sharding(0, 1))
     gather = gather_for(engine, comms)
     gather.begin_iteration()
@@ -113,13 +117,29 @@ def test_a_failed_prefetch_is_reported_to_the_thread_that_needs_the_group(one_ra
     monkeypatch.setattr(engine.adam, "update", failing_update)
     engine.adam.submit(1, [], 1.0)
     try:
-        # Group 0's own wait for updates would re-raise the worker's error had it failed already:
-        # it fails once group 1's prefetch (started by this ensure) is waiting for it.
+        # Chunk 0's own wait for updates would re-raise the worker's error had it failed already:
+        # it fails once chunk 1's prefetch (started by this ensure) is waiting for it.
         gather.ensure(0)
         fail.set()
         with pytest.raises(offload.errors.OffloadError, match="chunk 1 failed"):
             gather.ensure(1)
         assert not gather.holds(1)
+    finally:
+        gather.drop_all()
+        comms.close()
+
+
+def test_each_chunk_is_all_gathered_from_the_pieces_into_its_own_whole_buffer(one_rank_group, engine):
+    """One all-gather per chunk, counted by the whole chunk, into that chunk's ``gathered``
+    record: with one rank the gathered chunk is this rank's piece, value for value."""
+    comms = Collectives(Sharding(0, 1))
+    gather = gather_for(engine, comms)
+    try:
+        gather.begin_iteration()
+        for c in range(engine.layout.num_chunks):
+            gather.ensure(c)
+            assert torch.equal(engine.store.read(("gathered", c)), engine.store.read(("param", c))), c
+        assert comms.take_stats()["ops"] == engine.layout.num_chunks     # no group, no extra collective
     finally:
         gather.drop_all()
         comms.close()

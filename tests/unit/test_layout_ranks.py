@@ -1,15 +1,16 @@
-"""The "auto" chunk size under N ranks: a small model is cut into at least N chunks, so that
-round-robin ownership leaves no rank without a chunk to keep and update (issue 26, point 10)."""
+"""The chunk layout never depends on the number of ranks: every chunk is sliced into N pieces
+instead (issue 27), so a small model packed into one chunk still gives every rank a piece to keep
+and update, and an oversized chunk is split like any other."""
 
 from __future__ import annotations
 
-import math
+import inspect
 
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.chunks.layout import CHUNK_QUANTUM, DEFAULT_MAX_CHUNK, ChunkLayout, search_chunk_size
-from offload.distributed import owner_of
+from offload.distributed import Sharding
 from tests.helpers.tiny_gpt import TinyGPT
 
 
@@ -17,57 +18,38 @@ def tiny_gpt_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in TinyGPT().named_parameters()]
 
 
-def test_a_small_model_gets_a_chunk_per_rank_under_default_budgets():
-    named = tiny_gpt_shapes()
-    assert ChunkLayout.build(named, "auto", max_chunk=DEFAULT_MAX_CHUNK).num_chunks == 1   # one process: one chunk
-    for world in (2, 3, 4):
-        layout = ChunkLayout.build(named, "auto", max_chunk=DEFAULT_MAX_CHUNK, min_chunks=world)
-        owners = {owner_of(c, world) for c in range(layout.num_chunks)}
-        assert owners == set(range(world)), (world, layout)
+def test_the_layout_has_no_world_size_to_depend_on():
+    """Checkpoints reshard by slicing the same chunks: nothing in the layout search takes N."""
+    for fn in (ChunkLayout.build, search_chunk_size):
+        assert "min_chunks" not in inspect.signature(fn).parameters, fn
 
 
-def test_frozen_and_trainable_chunks_count_toward_the_ranks_share():
-    named = tiny_gpt_shapes()
-    frozen = {n for n, _ in named if n.startswith(("blocks.0.", "blocks.1."))}
-    layout = ChunkLayout.build(named, "auto", frozen=frozen, min_chunks=4)
-    assert layout.num_chunks >= 4 and 0 < len(layout.trainable_chunks) < layout.num_chunks
-
-
-def test_one_rank_and_an_explicit_size_are_unchanged():
-    named = tiny_gpt_shapes()
-    numels = [math.prod(s) for _, s in named]
-    assert search_chunk_size(numels, min_chunks=1) == search_chunk_size(numels)
-    assert ChunkLayout.build(named, 64 * CHUNK_QUANTUM, min_chunks=8).num_chunks == 1
+def test_a_small_model_in_one_chunk_gives_every_rank_a_piece_of_it():
+    layout = ChunkLayout.build(tiny_gpt_shapes(), "auto", max_chunk=DEFAULT_MAX_CHUNK)
+    assert layout.num_chunks == 1                       # one process's layout, at any N
+    numel = layout.chunk_numel(0)
+    for world in (2, 3, 4, 8):
+        spans = [Sharding(r, world).span(numel) for r in range(world)]
+        # Every rank holds real elements of the chunk (padding is only the last < N elements).
+        assert all(min(hi, numel) - lo >= numel // world for lo, hi in spans), (world, spans)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(2, 8), st.sampled_from([4 * CHUNK_QUANTUM, DEFAULT_MAX_CHUNK]), st.data())
-def test_at_least_n_chunks_whenever_no_parameter_exceeds_an_nth_of_the_model(world, cap, data):
-    numels = data.draw(st.lists(st.integers(1, 6000), min_size=4 * world, max_size=80))
-    total = sum(numels)
-    assume(total >= world * CHUNK_QUANTUM and max(numels) <= total / world)
-    size = search_chunk_size(numels, max_chunk=cap, min_chunks=world)
-    layout = ChunkLayout.build([(f"p{i}", (n,)) for i, n in enumerate(numels)], size)
-    assert layout.num_chunks >= world
-    assert size <= max(cap, CHUNK_QUANTUM)          # never above the budgets' cap
-
-
-def test_the_fewest_chunks_short_of_n_when_parameters_cannot_be_split():
-    # Two parameters, three ranks: each parameter gets a chunk of its own, the best there is.
-    size = search_chunk_size([60000, 40000], min_chunks=3)
-    assert ChunkLayout.build([("a", (60000,)), ("b", (40000,))], size).num_chunks == 2
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(2, 8), st.sampled_from([4 * CHUNK_QUANTUM, 16 * CHUNK_QUANTUM]),
-       st.lists(st.integers(1, 6000), min_size=1, max_size=80))
-def test_a_layout_with_a_chunk_per_rank_already_is_the_one_process_layout(world, cap, numels):
-    # Checkpoints reshard by chunk index: N changes the layout only where one process would
-    # leave some rank without a chunk.
-    one = search_chunk_size(numels, max_chunk=cap)
-    layout = ChunkLayout.build([(f"p{i}", (n,)) for i, n in enumerate(numels)], one)
-    if layout.num_chunks >= world:
-        assert search_chunk_size(numels, max_chunk=cap, min_chunks=world) == one
+@given(st.integers(2, 16), st.sampled_from([4 * CHUNK_QUANTUM, 16 * CHUNK_QUANTUM]),
+       st.lists(st.integers(1, 400_000), min_size=1, max_size=60))
+def test_oversized_and_frozen_chunks_are_split_evenly_over_the_ranks(world, cap, numels):
+    """Round-robin gave an oversized chunk (a large embedding) to one rank alone; sliced, every
+    rank keeps 1/N of every chunk, trainable ones (its Adam work) and frozen ones alike."""
+    named = [(f"p{i}", (n,)) for i, n in enumerate(numels)]
+    frozen = {name for i, (name, _) in enumerate(named) if i % 3 == 0}
+    layout = ChunkLayout.build(named, search_chunk_size(numels, max_chunk=cap), frozen=frozen)
+    for chunks in (range(layout.num_chunks), layout.trainable_chunks):
+        held = []
+        for r in range(world):
+            s = Sharding(r, world)
+            held.append(sum(s.span(layout.chunk_numel(c))[1] - s.span(layout.chunk_numel(c))[0] for c in chunks))
+        whole = sum(layout.chunk_numel(c) for c in chunks)
+        assert len(set(held)) == 1 and 0 <= held[0] * world - whole <= (world - 1) * len(chunks)
 
 
 def test_the_planners_layout_does_not_depend_on_the_ranks_and_each_holds_a_piece_of_every_chunk():

@@ -1,5 +1,5 @@
-"""Chunk ownership across ranks, communication groups, ``{rank}`` NVMe paths, and the byte
-accounting of collectives (a real one-rank gloo group in this process)."""
+"""Every chunk sliced across the ranks (each keeps one equal piece), ``{rank}`` NVMe paths, and the
+collectives' byte accounting and order (a real one-rank gloo group in this process)."""
 
 from __future__ import annotations
 
@@ -12,35 +12,53 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.chunks import ChunkLayout
-from offload.distributed import Sharding, expand_rank, owner_of
+from offload.distributed import Sharding, expand_rank
 from offload.errors import ConfigError
 
 
-@settings(max_examples=200, deadline=None)
-@given(num_chunks=st.integers(0, 300), world=st.integers(1, 17))
-def test_every_chunk_has_exactly_one_owner_and_groups_hold_one_chunk_per_rank(num_chunks, world):
+@settings(max_examples=300, deadline=None)
+@given(numel=st.integers(1, 1 << 22), world=st.integers(1, 600))
+def test_the_pieces_of_a_chunk_tile_it_padded_to_n_equal_pieces(numel, world):
+    """Rank r keeps [r*p, r*p + p) of the chunk padded to N*p, p = ceil(numel / N): the pieces
+    cover [0, padded) once each, in rank order, and fewer than N elements are padding."""
     ranks = [Sharding(r, world) for r in range(world)]
-    owned = [set(s.owned(range(num_chunks))) for s in ranks]
-    assert set().union(*owned) == set(range(num_chunks))
-    assert sum(len(o) for o in owned) == num_chunks
-    assert max(map(len, owned), default=0) - min(map(len, owned), default=0) <= 1     # 1/N each
-    s = ranks[0]
-    seen = []
-    for g in range(s.num_groups(num_chunks)):
-        chunks = s.group_chunks(g, num_chunks)
-        assert 1 <= len(chunks) <= world
-        assert [owner_of(c, world) for c in chunks] == list(range(len(chunks)))   # one per rank, in rank order
-        assert all(s.group_of(c) == g for c in chunks)
-        seen += chunks
-    assert seen == list(range(num_chunks))
+    p = -(-numel // world)
+    assert all(s.piece_numel(numel) == p and s.padded(numel) == world * p for s in ranks)
+    spans = [s.span(numel) for s in ranks]
+    assert spans[0][0] == 0 and spans[-1][1] == world * p
+    assert all(hi - lo == p for lo, hi in spans)                                  # equal pieces
+    assert all(spans[r][1] == spans[r + 1][0] for r in range(world - 1))         # no gap, no overlap
+    assert 0 <= world * p - numel < world                                          # padding < N
+    # Every element of the chunk itself is in exactly one piece; only the last pieces pass numel.
+    assert sum(min(hi, numel) - min(lo, numel) for lo, hi in spans) == numel
+    assert [s.span(numel) for s in ranks] == [ranks[0].span(numel, r) for r in range(world)]
 
 
-def test_every_chunk_has_one_owner_and_ranks_own_about_a_third_each():
-    layout = ChunkLayout.build([(f"p{i}", (3000,)) for i in range(10)], 4096)
-    owned = [Sharding(r, 3).owned(range(layout.num_chunks)) for r in range(3)]
-    assert sorted(sum(owned, [])) == list(range(layout.num_chunks))
-    assert max(map(len, owned)) - min(map(len, owned)) <= 1
+@settings(max_examples=100, deadline=None)
+@given(numels=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=40), world=st.integers(2, 64))
+def test_every_rank_keeps_an_nth_of_every_layout_whatever_its_chunk_sizes(numels, world):
+    """What round-robin ownership could not do: an oversized chunk is split like any other, so no
+    rank keeps more than the others by more than a padding element per chunk."""
+    held = [sum(Sharding(r, world).piece_numel(n) for n in numels) for r in range(world)]
+    assert len(set(held)) == 1
+    assert 0 <= held[0] - sum(numels) / world < len(numels)
+
+
+def test_a_chunk_smaller_than_the_world_gives_the_last_ranks_padding_only():
+    s = Sharding(0, 4)
+    assert s.piece_numel(3) == 1 and s.padded(3) == 4
+    assert [s.span(3, r) for r in range(4)] == [(0, 1), (1, 2), (2, 3), (3, 4)]   # rank 3: padding only
+    one = Sharding(0, 1)
+    assert one.span(4097) == (0, 4097) and one.padded(4097) == 4097             # one process: the chunk
+
+
+def test_round_robin_ownership_is_gone():
+    """One way to shard: no chunk has an owner any more, so nothing can ask for one."""
+    import offload.distributed as distributed
+
+    assert not hasattr(distributed, "owner_of")
+    for name in ("owner", "owns", "owned", "group_of", "group_chunks", "num_groups"):
+        assert not hasattr(Sharding, name), name
 
 
 @pytest.mark.parametrize("rank,world", [(-1, 2), (2, 2), (0, 0)])
@@ -69,21 +87,25 @@ def one_rank_group(tmp_path):
 
 
 def test_collectives_count_bus_bytes_per_rank(one_rank_group):
+    """An all-gather into (a reduce-scatter from) a whole chunk of b bytes moves (N-1)/N b per
+    rank, counted by the whole chunk, not the piece."""
     from offload.distributed.comms import Collectives
 
     comms = Collectives(Sharding(0, 1))
     try:
-        t = torch.ones(1024)
-        comms.wait(comms.broadcast(t, 0), "x")
-        comms.wait(comms.reduce(t, 0), "x")
+        whole, piece = torch.zeros(1024), torch.ones(1024)      # one rank: the piece is the chunk
+        comms.wait(comms.all_gather(whole, piece), "x")
+        assert torch.equal(whole, piece)
+        comms.wait(comms.submit(lambda: [comms.start_reduce_scatter(piece, torch.full((1024,), 2.0))]), "x")
+        assert torch.equal(piece, torch.full((1024,), 2.0))
         comms.all_reduce(torch.ones(4))
         stats = comms.take_stats()
         assert stats["ops"] == 3 and stats["sent_bytes"] == 0      # one rank moves nothing
         comms.world = 4                                            # the arithmetic at four ranks
-        comms.wait(comms.broadcast(t, 0), "x")
-        comms.wait(comms.reduce(t, 0), "x")
-        comms.all_reduce(t)
-        assert comms.take_stats()["by_op"] == {"broadcast": 3072, "reduce": 3072, "all_reduce": 6144}
+        comms.wait(comms.all_gather(whole, piece), "x")
+        comms.wait(comms.submit(lambda: [comms.start_reduce_scatter(piece, whole)]), "x")
+        comms.all_reduce(whole)
+        assert comms.take_stats()["by_op"] == {"all_gather": 3072, "reduce_scatter": 3072, "all_reduce": 6144}
         assert comms.take_stats()["ops"] == 0                      # taken: reset
     finally:
         comms.close()
@@ -133,8 +155,8 @@ def test_a_failed_collective_names_this_rank_and_the_collective(one_rank_group):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
     try:
-        with pytest.raises(DistributedError, match=r"rank 0: reduce of gradient chunks \[4, 5\]: .*Connection closed"):
-            comms.wait(comms.submit(lambda: [Broken()]), "reduce of gradient chunks [4, 5]")
+        with pytest.raises(DistributedError, match=r"rank 0: reduce-scatter of gradient chunk 4: .*Connection closed"):
+            comms.wait(comms.submit(lambda: [Broken()]), "reduce-scatter of gradient chunk 4")
     finally:
         comms.close()
 
