@@ -154,9 +154,8 @@ INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, co
     m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta1), _mm256_sub_ps(g, m)));
     v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta2),
                                        _mm256_sub_ps(_mm256_mul_ps(g, g), v)));
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(k->bc2_sqrt)),
-                                 _mm256_set1_ps(k->eps));
-    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(k->step_size), m), denom));
+    __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c->eps_bc2));
+    p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_bc2), m), denom));
     _mm256_storeu_ps(mb, m);
     _mm256_storeu_ps(vb, v);
     __m128i h = _mm_setzero_si128();

@@ -9,6 +9,10 @@
 #include "adam_internal.h"
 
 #define OFF_ADAM8_MAX_BLOCK 4096
+/* How far ahead (elements) the SIMD kernels prefetch each block's streams. */
+#ifndef OFF_ADAM8_PREFETCH
+#define OFF_ADAM8_PREFETCH 1024
+#endif
 
 /*
  * The maps and what the SIMD search needs, built once at load by adam8.c:
@@ -46,6 +50,8 @@ static inline uint32_t off__qbucket(uint32_t a)
 /* Per-call constants: the fp32 kernel's, plus the block and the stochastic-rounding key. */
 typedef struct off__adam8_consts {
     off__adam_consts a;
+    float step_bc2;                     /* lr / (1 - beta1^t) * sqrt(1 - beta2^t) */
+    float eps_bc2;                      /* eps * sqrt(1 - beta2^t) */
     long long block;
     uint32_t key;                       /* hash of (seed, step) */
 } off__adam8_consts;

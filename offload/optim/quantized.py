@@ -265,12 +265,13 @@ def reference_adam_step_8bit(param, grad, exp_avg, exp_avg_absmax, exp_avg_sq, e
     v = reference_dequantize(exp_avg_sq, exp_avg_sq_absmax, False, block_size)
     m = m + f32(1.0 - beta1) * (g - m)
     v = v + f32(1.0 - beta2) * (g * g - v)
-    # a full divisor: torch divides by a one-element tensor as a product with its reciprocal
-    bc2_sqrt = torch.full_like(v, math.sqrt(1.0 - beta2 ** float(step)))
+    # the denominator's bias correction folded into two constants, as the kernel does
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
+    step_bc2 = lr / (1.0 - beta1 ** float(step)) * bc2_sqrt
     # sqrt in double, rounded once: torch's float32 sqrt (Sleef, 0.5001 ulp) is not always the
     # correctly rounded one IEEE (and the kernel) give; double then float is (53 >= 2*24 + 2)
-    denom = torch.sqrt(v.double()).float() / bc2_sqrt + f32(eps)
-    p = p - (f32(lr / (1.0 - beta1 ** float(step))) * m) / denom
+    denom = torch.sqrt(v.double()).float() + f32(eps * bc2_sqrt)
+    p = p - (f32(step_bc2) * m) / denom
     if param.dtype == torch.bfloat16:
         master = reference_bf16_sr(p, sr_key(seed, step), index_base)
         p = master.float()
