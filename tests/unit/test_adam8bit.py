@@ -398,3 +398,22 @@ def test_200_steps_track_torch_adamw_within_a_7_percent_lr_band(master):
     dist = [abs(o - r) for o, r in zip(ours, ref)]
     assert sum(dist[20:]) <= sum(band[20:]), (sum(dist[20:]), sum(band[20:]))
     assert dist[-1] <= band[-1], (ours[-1], ref[-1], band[-1])
+
+
+# ---- the benchmark's JSON for 8-bit state (its shape, not a timing) ---------------------
+
+@pytest.mark.parametrize("master,bpp", [("fp32", 16.0625), ("bf16", 12.0625)])
+def test_bench_8bit_counts_its_own_bytes(master, bpp):
+    from offload.bench.adam import measure
+
+    report = measure(params=20_000, threads=2, grad_dtype="bf16", out_dtype="bf16", repeats=1,
+                     levels=["scalar"], state="8bit", master=master)
+    assert report["state"] == "8bit" and report["master"] == master
+    assert report["bytes_per_param"] == bpp and report["roofline_bytes_per_param"] == 28
+    res = report["results"]
+    assert {"offload_scalar", "fp32_kernel", "roofline"} <= res.keys() and "torch_fused" not in res
+    assert res["offload"]["gbps"] == pytest.approx(res["offload"]["params_per_s"] * bpp / 1e9)
+    assert report["roofline_fraction"] > 0 and report["speedup_vs_fp32_kernel"] > 0
+    with pytest.raises(ConfigError) as info:
+        measure(params=1000, state="fp32", master="bf16")
+    assert info.value.field == "master"
