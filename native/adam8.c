@@ -80,8 +80,8 @@ static int build_buckets(const float *mid, uint32_t *tab)
         }
         if (inside_pos > 1 || inside_neg > 1)
             return 0;
-        tab[b] = (uint32_t)count_below(mid, s) | (tpos << 8);
-        tab[OFF_QB_N + b] = (uint32_t)above | (tneg << 8);
+        tab[b] = (uint32_t)count_below(mid, s) | (tpos << 16);
+        tab[OFF_QB_N + b] = (uint32_t)above | (tneg << 16);
     }
     return 1;
 }

@@ -72,8 +72,19 @@ INLINE __m256 dequant(const float *map, const uint8_t *codes, __m256 scale)
 }
 
 /* The nearest codes of eight values (off__qcode_bucket lane by lane), as eight bytes. */
-INLINE long long qcode8(const uint32_t *tab, __m256 x)
+INLINE long long qcode8(int map, const uint32_t *tab, __m256 x)
 {
+    if (map == OFF_QMAP_UNSIGNED) {
+        /* every unsigned midpoint is > 0: a negative x (or -0) has the code of +0 */
+        __m256i a = _mm256_castps_si256(_mm256_max_ps(x, _mm256_setzero_ps()));
+        __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(a, 16), _mm256_set1_epi32((OFF_QB_E0 << 7) - 1));
+        b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(OFF_QB_N - 1));
+        __m256i e = _mm256_i32gather_epi32((const int *)tab, b, 4);
+        __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(e, 16));
+        __m256i code = _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), up);
+        __m128i w = pack16(code);
+        return _mm_cvtsi128_si64(_mm_packus_epi16(w, w));
+    }
     __m256i u = _mm256_castps_si256(x);
     __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
     __m256i neg = _mm256_srai_epi32(u, 31);
@@ -81,7 +92,7 @@ INLINE long long qcode8(const uint32_t *tab, __m256 x)
     b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(OFF_QB_N - 1));
     b = _mm256_add_epi32(b, _mm256_and_si256(neg, _mm256_set1_epi32(OFF_QB_N)));
     __m256i e = _mm256_i32gather_epi32((const int *)tab, b, 4);
-    __m256i t = _mm256_and_si256(_mm256_srli_epi32(e, 8), _mm256_set1_epi32(0xffff));
+    __m256i t = _mm256_srli_epi32(e, 16);
     __m256i xl = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
     __m256i up = _mm256_blendv_epi8(_mm256_cmpgt_epi32(xl, t), _mm256_cmpgt_epi32(t, xl), neg);
     /* up is -1 where the value lies above the bucket's midpoint */
@@ -121,11 +132,11 @@ float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n)
     __m256 inv = _mm256_set1_ps(inv_s);
     const uint32_t *tab = off__qt.bucket[map];
     for (i = 0; i + 8 <= n; i += 8) {
-        long long c = qcode8(tab, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+        long long c = qcode8(map, tab, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
         memcpy(codes + i, &c, 8);
     }
     if (i < n) {
-        long long c = qcode8(tab, _mm256_mul_ps(masked_load(x + i, n - i), inv));
+        long long c = qcode8(map, tab, _mm256_mul_ps(masked_load(x + i, n - i), inv));
         memcpy(codes + i, &c, (size_t)(n - i));
     }
     return inv_s == 0.0f ? 0.0f : absmax;

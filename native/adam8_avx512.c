@@ -66,8 +66,19 @@ INLINE __m512 dequant(const float *map, const uint8_t *codes, __m512 scale)
 }
 
 /* The nearest codes of sixteen values (off__qcode_bucket lane by lane). */
-INLINE __m128i qcode16(const uint32_t *tab, __m512 x)
+INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 {
+    if (map == OFF_QMAP_UNSIGNED) {
+        /* every unsigned midpoint is > 0: a negative x (or -0) has the code of +0 */
+        __m512i a = _mm512_castps_si512(_mm512_max_ps(x, _mm512_setzero_ps()));
+        __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(a, 16), _mm512_set1_epi32((OFF_QB_E0 << 7) - 1));
+        b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(OFF_QB_N - 1));
+        __m512i e = _mm512_i32gather_epi32(b, tab, 4);
+        __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)),
+                                               _mm512_srli_epi32(e, 16));
+        __m512i code = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
+        return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1)));
+    }
     __m512i u = _mm512_castps_si512(x);
     __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
     __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
@@ -75,7 +86,7 @@ INLINE __m128i qcode16(const uint32_t *tab, __m512 x)
     b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(OFF_QB_N - 1));
     b = _mm512_mask_add_epi32(b, neg, b, _mm512_set1_epi32(OFF_QB_N));
     __m512i e = _mm512_i32gather_epi32(b, tab, 4);
-    __m512i t = _mm512_and_si512(_mm512_srli_epi32(e, 8), _mm512_set1_epi32(0xffff));
+    __m512i t = _mm512_srli_epi32(e, 16);
     __m512i xl = _mm512_and_si512(a, _mm512_set1_epi32(0xffff));
     __mmask16 up = (_mm512_cmpgt_epi32_mask(xl, t) & (__mmask16)~neg) | (_mm512_cmpgt_epi32_mask(t, xl) & neg);
     __m512i code = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
@@ -83,19 +94,18 @@ INLINE __m128i qcode16(const uint32_t *tab, __m512 x)
     return _mm512_cvtepi32_epi8(code);
 }
 
-/* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
-float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n)
+/* Running absmax and non-finite lanes of live lanes of x (exact in any order: max). */
+INLINE void track(__m512 x, __mmask16 live, __m512 *amax, __mmask16 *bad)
 {
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
-    const __m512 big = _mm512_set1_ps(FLT_MAX);
-    long long i = 0;
-    for (; i < n; i += 16) {
-        __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(live, x + i));
-        bad |= _mm512_mask_cmp_ps_mask(live, a, big, _CMP_NLE_UQ);
-        amax = _mm512_max_ps(amax, a);
-    }
+    __m512 a = _mm512_abs_ps(x);
+    *bad |= _mm512_mask_cmp_ps_mask(live, a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+    *amax = _mm512_mask_max_ps(*amax, live, *amax, a);
+}
+
+/* The codes of n (<= one block) values whose absmax and non-finite lanes are known; returns
+ * the block's scale, as off__quant_scalar. */
+INLINE float encode(int map, const float *x, uint8_t *codes, long long n, __m512 amax, __mmask16 bad)
+{
     if (bad) {
         memset(codes, off__qt.zero_code[map], (size_t)n);
         return off__bits_f32(0x7fc00000u);
@@ -104,22 +114,38 @@ float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n)
     float inv_s = off__inv_scale(absmax);
     __m512 inv = _mm512_set1_ps(inv_s);
     const uint32_t *tab = off__qt.bucket[map];
-    for (i = 0; i + 16 <= n; i += 16)
-        _mm_storeu_si128((__m128i *)(codes + i), qcode16(tab, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv)));
+    long long i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(codes + i), qcode16(map, tab, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv)));
     if (i < n) {
         __mmask16 live = (__mmask16)((1u << (n - i)) - 1u);
         uint8_t c[16];
-        _mm_storeu_si128((__m128i *)c, qcode16(tab, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
+        _mm_storeu_si128((__m128i *)c, qcode16(map, tab, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
         memcpy(codes + i, c, (size_t)(n - i));
     }
     return inv_s == 0.0f ? 0.0f : absmax;
+}
+
+/* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
+float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n)
+{
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (long long i = 0; i < n; i += 16) {
+        __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        track(_mm512_maskz_loadu_ps(live, x + i), live, &amax, &bad);
+    }
+    if (map == OFF_QMAP_SIGNED)
+        return encode(OFF_QMAP_SIGNED, x, codes, n, amax, bad);
+    return encode(OFF_QMAP_UNSIGNED, x, codes, n, amax, bad);
 }
 
 /* Sixteen elements at i of these buffers (the slice's, or zero-padded copies at 0); their
  * updated moments go to mb/vb and the random bits use element index `index`. */
 INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, const void *grad,
                    int grad_dtype, const uint8_t *mc, const uint8_t *vc, void *out, int out_dtype,
-                   long long i, unsigned long long index, __m512 sm, __m512 sv, float *mb, float *vb)
+                   long long i, unsigned long long index, __m512 sm, __m512 sv, float *mb, float *vb,
+                   __m512 *mo, __m512 *vo)
 {
     const off__adam_consts *k = &c->a;
     __m512 g = grad_dtype == OFF_DTYPE_FP32
@@ -142,6 +168,8 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_bc2), m), denom));
     _mm512_storeu_ps(mb, m);
     _mm512_storeu_ps(vb, v);
+    *mo = m;
+    *vo = v;
     __m256i h = _mm256_setzero_si256();
     if (master_dtype == OFF_DTYPE_BF16) {
         h = to_bf16_sr(p, c->key, index);
@@ -196,12 +224,16 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
         if (ahead < end)
             prefetch_block(io, psz, gsz, osz, out_dtype, ahead,
                            end - ahead < c->block ? end - ahead : c->block);
+        __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps(), m, v;
+        __mmask16 bm = 0, bv = 0;
         long long j = 0;
         for (; j + 16 <= len; j += 16) {
             long long i = s + j;
             step16(c, io->master, master_dtype, io->grad, grad_dtype, io->m_codes, io->v_codes,
                    io->out, out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
-                   mb + j, vb + j);
+                   mb + j, vb + j, &m, &v);
+            track(m, 0xffff, &am, &bm);
+            track(v, 0xffff, &av, &bv);
         }
         if (j < len) {
             long long i = s + j, k = len - j;
@@ -212,13 +244,16 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             memcpy(mc, io->m_codes + i, (size_t)k);
             memcpy(vc, io->v_codes + i, (size_t)k);
             step16(c, p, master_dtype, g, grad_dtype, mc, vc, o, out_dtype, 0,
-                   (unsigned long long)(io->index_base + i), sm, sv, mb + j, vb + j);
+                   (unsigned long long)(io->index_base + i), sm, sv, mb + j, vb + j, &m, &v);
+            __mmask16 live = (__mmask16)((1u << k) - 1u);
+            track(m, live, &am, &bm);
+            track(v, live, &av, &bv);
             memcpy((char *)io->master + (size_t)i * psz, p, (size_t)k * psz);
             if (out_dtype != OFF_DTYPE_NONE)
                 memcpy((char *)io->out + (size_t)i * osz, o, (size_t)k * osz);
         }
-        io->m_absmax[blk] = off__quant_avx512(OFF_QMAP_SIGNED, mb, io->m_codes + s, len);
-        io->v_absmax[blk] = off__quant_avx512(OFF_QMAP_UNSIGNED, vb, io->v_codes + s, len);
+        io->m_absmax[blk] = encode(OFF_QMAP_SIGNED, mb, io->m_codes + s, len, am, bm);
+        io->v_absmax[blk] = encode(OFF_QMAP_UNSIGNED, vb, io->v_codes + s, len, av, bv);
     }
 }
 

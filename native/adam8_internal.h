@@ -22,8 +22,9 @@
  *   bucket[map][2*NB] that count without a search. |x| is cut into buckets by its float bits
  *                     (exponent and top 7 mantissa bits); each bucket holds at most one
  *                     midpoint, so count = entry's base + one comparison of the low 16 bits.
- *                     Entry: base (bits 0-7) | that midpoint's low 16 bits (8-23). The second
- *                     half serves negative x, where the comparison is reversed.
+ *                     Entry: base (bits 0-7) | that midpoint's low 16 bits (16-31). The second
+ *                     half serves negative x, where the comparison is reversed; the unsigned
+ *                     map's SIMD search clamps x at +0 instead (its midpoints are all > 0).
  */
 #define OFF_QB_E0 104                   /* buckets start at 2^(104-127) = 2^-23 */
 #define OFF_QB_BINADES 23               /* 2^-23 .. 1; one more bucket for >= 1, one for < 2^-23 */
@@ -140,7 +141,7 @@ static inline uint8_t off__qcode_bucket(int map, float x)
     uint32_t a = u & 0x7fffffffu;
     uint32_t neg = u >> 31;
     uint32_t e = off__qt.bucket[map][off__qbucket(a) + neg * OFF_QB_N];
-    uint32_t t = (e >> 8) & 0xffffu, xl = a & 0xffffu;
+    uint32_t t = e >> 16, xl = a & 0xffffu;
     return (uint8_t)((e & 0xffu) + (neg ? t > xl : xl > t));
 }
 
