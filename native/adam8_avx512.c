@@ -102,28 +102,37 @@ INLINE void track(__m512 x, __mmask16 live, __m512 *amax, __mmask16 *bad)
     *amax = _mm512_mask_max_ps(*amax, live, *amax, a);
 }
 
-/* The codes of n (<= one block) values whose absmax and non-finite lanes are known; returns
- * the block's scale, as off__quant_scalar. */
-INLINE float encode(int map, const float *x, uint8_t *codes, long long n, __m512 amax, __mmask16 bad)
+/* A block's stored scale from its tracked absmax (NaN when poisoned, 0 when flushed), and in
+ * *inv the factor its values are multiplied by before the search; as off__quant_scalar. */
+INLINE float block_scale(__m512 amax, __mmask16 bad, float *inv)
 {
     if (bad) {
-        memset(codes, off__qt.zero_code[map], (size_t)n);
+        *inv = 0.0f;
         return off__bits_f32(0x7fc00000u);
     }
     float absmax = _mm512_reduce_max_ps(amax);
-    float inv_s = off__inv_scale(absmax);
+    *inv = off__inv_scale(absmax);
+    return *inv == 0.0f ? 0.0f : absmax;
+}
+
+INLINE void encode16(int map, const float *x, uint8_t *codes, __m512 inv)
+{
+    _mm_storeu_si128((__m128i *)codes, qcode16(map, off__qt.bucket[map], _mm512_mul_ps(_mm512_loadu_ps(x), inv)));
+}
+
+/* The codes of n (<= one block) values of a block that is not poisoned. */
+INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float inv_s)
+{
     __m512 inv = _mm512_set1_ps(inv_s);
-    const uint32_t *tab = off__qt.bucket[map];
     long long i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm_storeu_si128((__m128i *)(codes + i), qcode16(map, tab, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv)));
+        encode16(map, x + i, codes + i, inv);
     if (i < n) {
         __mmask16 live = (__mmask16)((1u << (n - i)) - 1u);
         uint8_t c[16];
-        _mm_storeu_si128((__m128i *)c, qcode16(map, tab, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
+        _mm_storeu_si128((__m128i *)c, qcode16(map, off__qt.bucket[map], _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
         memcpy(codes + i, c, (size_t)(n - i));
     }
-    return inv_s == 0.0f ? 0.0f : absmax;
 }
 
 /* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
@@ -135,9 +144,15 @@ float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n)
         __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1u);
         track(_mm512_maskz_loadu_ps(live, x + i), live, &amax, &bad);
     }
-    if (map == OFF_QMAP_SIGNED)
-        return encode(OFF_QMAP_SIGNED, x, codes, n, amax, bad);
-    return encode(OFF_QMAP_UNSIGNED, x, codes, n, amax, bad);
+    float inv;
+    float scale = block_scale(amax, bad, &inv);
+    if (bad)
+        memset(codes, off__qt.zero_code[map], (size_t)n);
+    else if (map == OFF_QMAP_SIGNED)
+        encode(OFF_QMAP_SIGNED, x, codes, n, inv);
+    else
+        encode(OFF_QMAP_UNSIGNED, x, codes, n, inv);
+    return scale;
 }
 
 /* Sixteen elements at i of these buffers (the slice's, or zero-padded copies at 0); their
@@ -210,15 +225,36 @@ INLINE void prefetch_block(const off__adam8_io *io, size_t psz, size_t gsz, size
     }
 }
 
+/* One pending block's requantisation: its codes are written while the next block updates, so
+ * the latencies of the two (the block's absmax, the searches; the divisions) overlap. */
+struct pending {
+    long long len;                      /* elements, a multiple of 16; 0: none */
+    const float *m, *v;                 /* its updated moments */
+    uint8_t *mc, *vc;
+    __m512 inv_m, inv_v;
+    int enc_m, enc_v;                   /* 0 for a poisoned moment (codes already written) */
+};
+
+INLINE void encode_pending(const struct pending *q, long long j)
+{
+    if (q->enc_m)
+        encode16(OFF_QMAP_SIGNED, q->m + j, q->mc + j, q->inv_m);
+    if (q->enc_v)
+        encode16(OFF_QMAP_UNSIGNED, q->v + j, q->vc + j, q->inv_v);
+}
+
 INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_dtype,
                 int grad_dtype, int out_dtype, long long begin, long long end)
 {
-    float mb[OFF_ADAM8_MAX_BLOCK], vb[OFF_ADAM8_MAX_BLOCK];
+    float mb[2][OFF_ADAM8_MAX_BLOCK], vb[2][OFF_ADAM8_MAX_BLOCK];
     size_t psz = master_dtype == OFF_DTYPE_FP32 ? 4 : 2, gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     size_t osz = out_dtype == OFF_DTYPE_FP32 ? 4 : 2;
-    for (long long s = begin; s < end; s += c->block) {
+    struct pending prev = {0};
+    int cur = 0;
+    for (long long s = begin; s < end; s += c->block, cur ^= 1) {
         long long len = end - s < c->block ? end - s : c->block;
         long long blk = s / c->block;
+        float *mcur = mb[cur], *vcur = vb[cur];
         __m512 sm = _mm512_set1_ps(io->m_absmax[blk]), sv = _mm512_set1_ps(io->v_absmax[blk]);
         long long ahead = s + OFF_ADAM8_PREFETCH;
         if (ahead < end)
@@ -231,10 +267,14 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             long long i = s + j;
             step16(c, io->master, master_dtype, io->grad, grad_dtype, io->m_codes, io->v_codes,
                    io->out, out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
-                   mb + j, vb + j, &m, &v);
+                   mcur + j, vcur + j, &m, &v);
             track(m, 0xffff, &am, &bm);
             track(v, 0xffff, &av, &bv);
+            if (j < prev.len)
+                encode_pending(&prev, j);
         }
+        for (long long k = j; k < prev.len; k += 16)
+            encode_pending(&prev, k);
         if (j < len) {
             long long i = s + j, k = len - j;
             float p[16] = {0}, g[16] = {0}, o[16] = {0};
@@ -244,7 +284,7 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             memcpy(mc, io->m_codes + i, (size_t)k);
             memcpy(vc, io->v_codes + i, (size_t)k);
             step16(c, p, master_dtype, g, grad_dtype, mc, vc, o, out_dtype, 0,
-                   (unsigned long long)(io->index_base + i), sm, sv, mb + j, vb + j, &m, &v);
+                   (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
             __mmask16 live = (__mmask16)((1u << k) - 1u);
             track(m, live, &am, &bm);
             track(v, live, &av, &bv);
@@ -252,8 +292,23 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             if (out_dtype != OFF_DTYPE_NONE)
                 memcpy((char *)io->out + (size_t)i * osz, o, (size_t)k * osz);
         }
-        io->m_absmax[blk] = encode(OFF_QMAP_SIGNED, mb, io->m_codes + s, len, am, bm);
-        io->v_absmax[blk] = encode(OFF_QMAP_UNSIGNED, vb, io->v_codes + s, len, av, bv);
+        float inv_m, inv_v;
+        io->m_absmax[blk] = block_scale(am, bm, &inv_m);
+        io->v_absmax[blk] = block_scale(av, bv, &inv_v);
+        if (bm)
+            memset(io->m_codes + s, off__qt.zero_code[OFF_QMAP_SIGNED], (size_t)len);
+        if (bv)
+            memset(io->v_codes + s, off__qt.zero_code[OFF_QMAP_UNSIGNED], (size_t)len);
+        if (s + len < end) { /* a whole block with one after it: encode it during that one */
+            prev = (struct pending){len, mcur, vcur, io->m_codes + s, io->v_codes + s,
+                                    _mm512_set1_ps(inv_m), _mm512_set1_ps(inv_v), !bm, !bv};
+        } else {
+            if (!bm)
+                encode(OFF_QMAP_SIGNED, mcur, io->m_codes + s, len, inv_m);
+            if (!bv)
+                encode(OFF_QMAP_UNSIGNED, vcur, io->v_codes + s, len, inv_v);
+            prev.len = 0;
+        }
     }
 }
 
