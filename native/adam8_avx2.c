@@ -108,45 +108,72 @@ INLINE __m256 masked_load(const float *x, long long k)
     return _mm256_loadu_ps(t);
 }
 
-/* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
-float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n)
+/* Running absmax and non-finite lanes of x (exact in any order: max); padding lanes are 0. */
+INLINE void track(__m256 x, __m256 *amax, __m256 *bad)
 {
-    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    const __m256 big = _mm256_set1_ps(FLT_MAX);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    long long i = 0;
-    for (; i < n; i += 8) {
-        __m256 a = _mm256_and_ps(n - i >= 8 ? _mm256_loadu_ps(x + i) : masked_load(x + i, n - i), absmask);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));
-        amax = _mm256_max_ps(amax, a);
-    }
+    __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+    *bad = _mm256_or_ps(*bad, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ));
+    *amax = _mm256_max_ps(*amax, a);
+}
+
+/* A block's stored scale from its tracked absmax (NaN when poisoned, 0 when flushed), and in
+ * *inv the factor its values are multiplied by before the search; as off__quant_scalar. */
+INLINE float block_scale(__m256 amax, __m256 bad, float *inv)
+{
     if (_mm256_movemask_ps(bad)) {
-        memset(codes, off__qt.zero_code[map], (size_t)n);
+        *inv = 0.0f;
         return off__bits_f32(0x7fc00000u);
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
     float absmax = _mm_cvtss_f32(h);
-    float inv_s = off__inv_scale(absmax);
+    *inv = off__inv_scale(absmax);
+    return *inv == 0.0f ? 0.0f : absmax;
+}
+
+INLINE void encode8(int map, const float *x, uint8_t *codes, __m256 inv)
+{
+    long long c = qcode8(map, off__qt.bucket[map], _mm256_mul_ps(_mm256_loadu_ps(x), inv));
+    memcpy(codes, &c, 8);
+}
+
+/* The codes of n (<= one block) values of a block that is not poisoned. */
+INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float inv_s)
+{
     __m256 inv = _mm256_set1_ps(inv_s);
-    const uint32_t *tab = off__qt.bucket[map];
-    for (i = 0; i + 8 <= n; i += 8) {
-        long long c = qcode8(map, tab, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
-        memcpy(codes + i, &c, 8);
-    }
+    long long i = 0;
+    for (; i + 8 <= n; i += 8)
+        encode8(map, x + i, codes + i, inv);
     if (i < n) {
-        long long c = qcode8(map, tab, _mm256_mul_ps(masked_load(x + i, n - i), inv));
+        long long c = qcode8(map, off__qt.bucket[map], _mm256_mul_ps(masked_load(x + i, n - i), inv));
         memcpy(codes + i, &c, (size_t)(n - i));
     }
-    return inv_s == 0.0f ? 0.0f : absmax;
+}
+
+/* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
+float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n)
+{
+    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (long long i = 0; i < n; i += 8)
+        track(n - i >= 8 ? _mm256_loadu_ps(x + i) : masked_load(x + i, n - i), &amax, &bad);
+    float inv;
+    float scale = block_scale(amax, bad, &inv);
+    if (_mm256_movemask_ps(bad))
+        memset(codes, off__qt.zero_code[map], (size_t)n);
+    else if (map == OFF_QMAP_SIGNED)
+        encode(OFF_QMAP_SIGNED, x, codes, n, inv);
+    else
+        encode(OFF_QMAP_UNSIGNED, x, codes, n, inv);
+    return scale;
 }
 
 /* Eight elements at i of these buffers (the slice's, or zero-padded copies at 0); their
  * updated moments go to mb/vb and the random bits use element index `index`. */
 INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, const void *grad,
                   int grad_dtype, const uint8_t *mc, const uint8_t *vc, void *out, int out_dtype,
-                  long long i, unsigned long long index, __m256 sm, __m256 sv, float *mb, float *vb)
+                  long long i, unsigned long long index, __m256 sm, __m256 sv, float *mb, float *vb,
+                  __m256 *mo, __m256 *vo)
 {
     const off__adam_consts *k = &c->a;
     __m256 g = grad_dtype == OFF_DTYPE_FP32
@@ -169,6 +196,8 @@ INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, co
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_bc2), m), denom));
     _mm256_storeu_ps(mb, m);
     _mm256_storeu_ps(vb, v);
+    *mo = m;
+    *vo = v;
     __m128i h = _mm_setzero_si128();
     if (master_dtype == OFF_DTYPE_BF16) {
         h = to_bf16_sr(p, c->key, index);
@@ -186,23 +215,52 @@ INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, co
                          _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* One pending block's requantisation, written while the next block updates (see
+ * adam8_avx512.c). */
+struct pending {
+    long long len;                      /* elements, a multiple of 8; 0: none */
+    const float *m, *v;
+    uint8_t *mc, *vc;
+    __m256 inv_m, inv_v;
+    int enc_m, enc_v;                   /* 0 for a poisoned moment (codes already written) */
+};
+
+INLINE void encode_pending(const struct pending *q, long long j)
+{
+    if (q->enc_m)
+        encode8(OFF_QMAP_SIGNED, q->m + j, q->mc + j, q->inv_m);
+    if (q->enc_v)
+        encode8(OFF_QMAP_UNSIGNED, q->v + j, q->vc + j, q->inv_v);
+}
+
 INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_dtype,
                 int grad_dtype, int out_dtype, long long begin, long long end)
 {
-    float mb[OFF_ADAM8_MAX_BLOCK], vb[OFF_ADAM8_MAX_BLOCK];
+    float mb[2][OFF_ADAM8_MAX_BLOCK], vb[2][OFF_ADAM8_MAX_BLOCK];
     size_t psz = master_dtype == OFF_DTYPE_FP32 ? 4 : 2, gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     size_t osz = out_dtype == OFF_DTYPE_FP32 ? 4 : 2;
-    for (long long s = begin; s < end; s += c->block) {
+    struct pending prev = {0};
+    int cur = 0;
+    for (long long s = begin; s < end; s += c->block, cur ^= 1) {
         long long len = end - s < c->block ? end - s : c->block;
         long long blk = s / c->block;
+        float *mcur = mb[cur], *vcur = vb[cur];
         __m256 sm = _mm256_set1_ps(io->m_absmax[blk]), sv = _mm256_set1_ps(io->v_absmax[blk]);
+        __m256 am = _mm256_setzero_ps(), av = _mm256_setzero_ps(), m, v;
+        __m256 bm = _mm256_setzero_ps(), bv = _mm256_setzero_ps();
         long long j = 0;
         for (; j + 8 <= len; j += 8) {
             long long i = s + j;
             step8(c, io->master, master_dtype, io->grad, grad_dtype, io->m_codes, io->v_codes,
                   io->out, out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
-                  mb + j, vb + j);
+                  mcur + j, vcur + j, &m, &v);
+            track(m, &am, &bm);
+            track(v, &av, &bv);
+            if (j < prev.len)
+                encode_pending(&prev, j);
         }
+        for (long long k = j; k < prev.len; k += 8)
+            encode_pending(&prev, k);
         if (j < len) {
             long long i = s + j, k = len - j;
             float p[8] = {0}, g[8] = {0}, o[8] = {0};
@@ -212,13 +270,31 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             memcpy(mc, io->m_codes + i, (size_t)k);
             memcpy(vc, io->v_codes + i, (size_t)k);
             step8(c, p, master_dtype, g, grad_dtype, mc, vc, o, out_dtype, 0,
-                  (unsigned long long)(io->index_base + i), sm, sv, mb + j, vb + j);
+                  (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
+            track(masked_load(mcur + j, k), &am, &bm);   /* live lanes only */
+            track(masked_load(vcur + j, k), &av, &bv);
             memcpy((char *)io->master + (size_t)i * psz, p, (size_t)k * psz);
             if (out_dtype != OFF_DTYPE_NONE)
                 memcpy((char *)io->out + (size_t)i * osz, o, (size_t)k * osz);
         }
-        io->m_absmax[blk] = off__quant_avx2(OFF_QMAP_SIGNED, mb, io->m_codes + s, len);
-        io->v_absmax[blk] = off__quant_avx2(OFF_QMAP_UNSIGNED, vb, io->v_codes + s, len);
+        float inv_m, inv_v;
+        io->m_absmax[blk] = block_scale(am, bm, &inv_m);
+        io->v_absmax[blk] = block_scale(av, bv, &inv_v);
+        int enc_m = !_mm256_movemask_ps(bm), enc_v = !_mm256_movemask_ps(bv);
+        if (!enc_m)
+            memset(io->m_codes + s, off__qt.zero_code[OFF_QMAP_SIGNED], (size_t)len);
+        if (!enc_v)
+            memset(io->v_codes + s, off__qt.zero_code[OFF_QMAP_UNSIGNED], (size_t)len);
+        if (s + len < end) { /* a whole block with one after it: encode it during that one */
+            prev = (struct pending){len, mcur, vcur, io->m_codes + s, io->v_codes + s,
+                                    _mm256_set1_ps(inv_m), _mm256_set1_ps(inv_v), enc_m, enc_v};
+        } else {
+            if (enc_m)
+                encode(OFF_QMAP_SIGNED, mcur, io->m_codes + s, len, inv_m);
+            if (enc_v)
+                encode(OFF_QMAP_UNSIGNED, vcur, io->v_codes + s, len, inv_v);
+            prev.len = 0;
+        }
     }
 }
 
