@@ -9,6 +9,7 @@
  * double with only + - * / (no libm), so every build on every machine gets the same floats.
  */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 
 #include "adam8_internal.h"
@@ -175,7 +176,8 @@ OFF_EXPORT int off_adam8_step_level(int level, const off_adam_hparams *hp, void 
     int rc = check_level8(level);
     if (rc < 0)
         return rc;
-    if (hp == NULL || st == NULL || n < 0 || index_base < 0 || bad_block(st->block))
+    if (hp == NULL || st == NULL || n < 0 || index_base < 0 || index_base > LLONG_MAX - n
+        || bad_block(st->block))
         return -EINVAL;
     if (master_dtype != OFF_DTYPE_FP32 && master_dtype != OFF_DTYPE_BF16)
         return -EINVAL;

@@ -128,6 +128,8 @@ def adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     if seed > 2**64 - 1:
         raise ConfigError("seed", seed, "must fit in 64 bits")
     index_base = _int("index_base", index_base, 0)
+    if index_base + n > 2**63 - 1:
+        raise ConfigError("index_base", index_base, f"index_base + numel ({n}) must stay below 2^63")
     nthreads = resolve_threads(threads)
     level = resolve_simd(simd)
     if n == 0:

@@ -295,7 +295,7 @@ def _bad_calls():
         "out": [base(out=torch.zeros(n, dtype=torch.float64))],
         "step": [base(step=0)],
         "seed": [base(seed=-1), base(seed=2**64)],
-        "index_base": [base(index_base=-5)],
+        "index_base": [base(index_base=-5), base(index_base=2**63 - 100)],
         "lr": [base(lr=float("nan"))],
         "grad_scale": [base(grad_scale=float("inf"))],
         "threads": [base(threads=0)],
