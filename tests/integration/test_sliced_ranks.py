@@ -200,6 +200,9 @@ def test_max_grad_norm_clipping_uses_the_norm_of_all_ranks_pieces(tmp_path):
     want = Reference(8, clip=0.5, batch=6)
     out = run(tmp_path, 3, 8, clip=0.5, batch=6)
     want.check(out)
+    norms = [o["grad_norms"] for o in out]
+    assert norms[0] == norms[1] == norms[2], norms             # one all-reduced norm of all pieces
+    assert max(norms[0]) > 0.5, norms[0]                        # clipping was active
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
