@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import offload
+from offload.tiers.nvme import SLOT_ALIGN      # NVMe slots start on whole 4 KiB blocks
 from tests.helpers.ranks import launch
 from tests.helpers.reference import LR, WD, mean_losses, run_reference
 from tests.helpers.tiny_gpt import TinyGPT, batches
@@ -29,7 +30,6 @@ from tests.helpers.trajectory import assert_losses_within_drift, assert_within_d
 
 pytestmark = pytest.mark.slow
 WORKER = "tests.helpers.dp_worker:main"
-SLOT_ALIGN = 4096       # NVMe slots start on 4 KiB boundaries (offload.tiers.nvme)
 # bf16 keeps 8 significant bits (eps 2^-7): ranks that sum half-batch gradients in another order
 # than one whole-batch backward differ from the mixed-precision reference by a few roundings of
 # each step's weights; 2e-2 on the loss is ~2.5 eps, what the one-process bf16 test allows too.
