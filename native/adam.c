@@ -20,7 +20,6 @@
 
 /* ---- a small persistent pool: the engine calls us once per chunk --------------------- */
 
-typedef void (*task_fn)(void *arg, int index, int count);
 
 static struct {
     pthread_mutex_t call; /* one job at a time */
@@ -31,7 +30,7 @@ static struct {
     unsigned long gen;    /* bumped for each job */
     int count;            /* tasks in the current job; the caller runs task 0 */
     int remaining;        /* worker tasks not yet finished */
-    task_fn fn;
+    off__task_fn fn;
     void *arg;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL};
@@ -63,7 +62,7 @@ static void *worker_main(void *p)
         seen = pool.gen;
         if (index >= pool.count)
             continue;
-        task_fn fn = pool.fn;
+        off__task_fn fn = pool.fn;
         void *arg = pool.arg;
         int count = pool.count;
         pthread_mutex_unlock(&pool.mu);
@@ -95,7 +94,7 @@ static int pool_grow(int want)
     return pool.started;
 }
 
-static void pool_run(task_fn fn, void *arg, int count)
+void off__pool_run(off__task_fn fn, void *arg, int count)
 {
     if (count <= 1) {
         fn(arg, 0, 1);
@@ -132,7 +131,7 @@ static void split(long long n, int index, int count, long long *begin, long long
     *end = e < n ? e : n;
 }
 
-static int thread_count(long long n, int threads)
+int off__thread_count(long long n, int threads)
 {
     if (threads <= 0)
         threads = off__threads_default();
@@ -161,7 +160,7 @@ static const struct {
 #endif
 };
 
-static int check_level(int level)
+int off__check_level(int level)
 {
     if (level < OFF_SIMD_SCALAR || level > OFF_SIMD_AVX512)
         return -EINVAL;
@@ -173,7 +172,7 @@ static int check_level(int level)
 static int misaligned(const void *p, uintptr_t align) { return ((uintptr_t)p & (align - 1)) != 0; }
 
 /* The constants as torch derives them: in double from the Python floats, rounded once. */
-static int make_consts(const off_adam_hparams *hp, off__adam_consts *c)
+int off__adam_make_consts(const off_adam_hparams *hp, off__adam_consts *c)
 {
     if (!(isfinite(hp->lr) && hp->lr >= 0.0))
         return -EINVAL;
@@ -231,7 +230,7 @@ OFF_EXPORT int off_adam_step_level(int level, const off_adam_hparams *hp, float 
                                    float *exp_avg_sq, void *out, int out_dtype, long long n,
                                    int threads)
 {
-    int rc = check_level(level);
+    int rc = off__check_level(level);
     if (rc < 0)
         return rc;
     if (hp == NULL || n < 0)
@@ -241,7 +240,7 @@ OFF_EXPORT int off_adam_step_level(int level, const off_adam_hparams *hp, float 
     if (out_dtype != OFF_DTYPE_NONE && out_dtype != OFF_DTYPE_BF16 && out_dtype != OFF_DTYPE_FP16)
         return -EINVAL;
     struct adam_job job;
-    rc = make_consts(hp, &job.c);
+    rc = off__adam_make_consts(hp, &job.c);
     if (rc < 0)
         return rc;
     if (n == 0)
@@ -261,7 +260,7 @@ OFF_EXPORT int off_adam_step_level(int level, const off_adam_hparams *hp, float 
     job.out = out_dtype == OFF_DTYPE_NONE ? NULL : out;
     job.out_dtype = out_dtype;
     job.n = n;
-    pool_run(adam_task, &job, thread_count(n, threads));
+    off__pool_run(adam_task, &job, off__thread_count(n, threads));
     return 0;
 }
 
@@ -300,7 +299,7 @@ static void probe_task(void *arg, int index, int count)
 OFF_EXPORT int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d,
                                       int d_dtype, void *e, int e_dtype, long long n, int threads)
 {
-    int rc = check_level(level);
+    int rc = off__check_level(level);
     if (rc < 0)
         return rc;
     if (n < 0)
@@ -319,7 +318,7 @@ OFF_EXPORT int off_stream_probe_level(int level, float *a, float *b, float *c, c
         return -EINVAL;
     struct probe_job job = {kernels[level].probe, a, b, c, d, d_dtype,
                             e_dtype != OFF_DTYPE_NONE ? e : NULL, e_dtype, n};
-    pool_run(probe_task, &job, thread_count(n, threads));
+    off__pool_run(probe_task, &job, off__thread_count(n, threads));
     return 0;
 }
 

@@ -78,6 +78,14 @@ void off__probe_avx512(float *a, float *b, float *c, const void *d, int d_dtype,
                        int e_dtype, long long n);
 #endif
 
+/* Shared with the 8-bit kernels (adam8*.c): adam.c's persistent thread pool (task `index` of
+ * `count`; the caller runs task 0), its thread-count rule, level check and constants. */
+typedef void (*off__task_fn)(void *arg, int index, int count);
+void off__pool_run(off__task_fn fn, void *arg, int count);
+int off__thread_count(long long n, int threads);
+int off__check_level(int level);
+int off__adam_make_consts(const off_adam_hparams *hp, off__adam_consts *c);
+
 static inline uint32_t off__f32_bits(float f)
 {
     uint32_t u;

@@ -74,6 +74,51 @@ int off_stream_probe(float *a, float *b, float *c, const void *d, int d_dtype, v
 int off_stream_probe_level(int level, float *a, float *b, float *c, const void *d, int d_dtype,
                            void *e, int e_dtype, long long n, int threads);
 
+/* ---- 8-bit Adam state (adam8*.c): section owned by the 8-bit Adam kernels ---------
+ * Block-wise dynamic quantization (Dettmers et al. 2022, bitsandbytes' AdamW8bit): exp_avg
+ * as codes of the signed dynamic map, exp_avg_sq of the unsigned one, each block of `block`
+ * elements with one fp32 absmax scale: value = map[code] * absmax. A block whose updated
+ * moment holds a NaN or an infinity stores a NaN scale (its codes those of zero), so the
+ * poison is never dropped; a block whose absmax is below FLT_MIN is stored as zeros. */
+enum off_qmap {
+    OFF_QMAP_SIGNED = 0,               /* 256 values in [-1, 1]: exp_avg */
+    OFF_QMAP_UNSIGNED = 1              /* 256 values in [0, 1]: exp_avg_sq */
+};
+/* The 256 values of a map, ascending, into out (built once in the library): 0 or -EINVAL. */
+int off_qmap_values(int map, float *out);
+
+typedef struct off_adam8_state {
+    unsigned char *exp_avg;            /* n codes (signed map) */
+    float *exp_avg_absmax;             /* ceil(n / block) scales */
+    unsigned char *exp_avg_sq;         /* n codes (unsigned map) */
+    float *exp_avg_sq_absmax;          /* ceil(n / block) scales */
+    long long block;                   /* elements per block: a multiple of 64 in [64, 4096] */
+} off_adam8_state;
+
+/*
+ * One Adam/AdamW step over n elements with 8-bit moments: dequantise, update (the fp32
+ * kernel's arithmetic, hp as there), requantise with a new absmax per block, in place.
+ * The slice starts at a block boundary; its last block may be short. master_dtype FP32, or
+ * BF16 (stochastic rounding with bits hashed from seed, hp->step and index_base + i, i the
+ * element's index in the slice). out_dtype FP32/BF16/FP16 receives the stored parameters
+ * (nearest even from the fp32 master; from a bf16 master its exact value, rounded for FP16),
+ * NONE leaves out alone. Every level and thread count give the same bits.
+ * Returns 0, or -EINVAL for a bad argument (nothing modified).
+ */
+int off_adam8_step(const off_adam_hparams *hp, void *master, int master_dtype, const void *grad,
+                   int grad_dtype, const off_adam8_state *state, void *out, int out_dtype,
+                   long long n, unsigned long long seed, long long index_base, int threads);
+int off_adam8_step_level(int level, const off_adam_hparams *hp, void *master, int master_dtype,
+                         const void *grad, int grad_dtype, const off_adam8_state *state,
+                         void *out, int out_dtype, long long n, unsigned long long seed,
+                         long long index_base, int threads);
+/* Quantise n floats block by block (nearest code, ties to the lower one), forcing a level
+ * (-1: the one in use): 0, -EINVAL or -ENOTSUP. Dequantise: value = map[code] * absmax. */
+int off_blockwise_quantize(int level, int map, const float *x, unsigned char *codes,
+                           float *absmax, long long block, long long n, int threads);
+int off_blockwise_dequantize(int map, const unsigned char *codes, const float *absmax,
+                             long long block, float *x, long long n);
+
 /* ---- I/O (aio.c, buffers.c, crc32c.c): section owned by the I/O layer -- */
 /* Aligned host buffers (buffers.c). Memory comes from mmap: page-aligned, zero-filled. */
 enum off_buffer_flags {

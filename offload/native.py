@@ -285,3 +285,65 @@ def stream_probe_raw(*, a: int, b: int, c: int, d: int, d_dtype: str, e: int, e_
 def simd_available() -> list[str]:
     """Every instruction set this CPU runs, lowest first (what tests and benchmarks sweep)."""
     return _available(load()[1])
+
+
+# ---- 8-bit Adam state (offload/optim/quantized.py): section owned by the 8-bit kernels ----
+
+QMAPS = {"signed": 0, "unsigned": 1}   # enum off_qmap
+
+
+def qmap_values(map_name: str) -> list[float]:
+    """The 256 values of the ``"signed"`` or ``"unsigned"`` dynamic map, ascending (the table
+    the library quantises with; it is built once inside the library)."""
+    ffi, lib = load()
+    out = ffi.new("float[]", 256)
+    check(lib.off_qmap_values(QMAPS[map_name], out), "off_qmap_values")
+    return list(out)
+
+
+def adam8_step_raw(*, master: int, master_dtype: str, grad: int, grad_dtype: str, exp_avg: int,
+                   exp_avg_absmax: int, exp_avg_sq: int, exp_avg_sq_absmax: int, block: int,
+                   out: int, out_dtype: str, n: int, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, grad_scale: float, step: int,
+                   decoupled: bool, maximize: bool, seed: int, index_base: int, threads: int,
+                   level: str | None) -> None:
+    """One 8-bit Adam step over ``n`` elements at raw addresses (ints); callers validate
+    first. ``level`` forces an instruction set (``None``: the one in use). GIL released."""
+    ffi, lib = load()
+    hp = ffi.new("off_adam_hparams *", {
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "grad_scale": grad_scale, "step": step, "decoupled": int(bool(decoupled)),
+        "maximize": int(bool(maximize))})
+    st = ffi.new("off_adam8_state *", {
+        "exp_avg": ffi.cast("unsigned char *", exp_avg),
+        "exp_avg_absmax": ffi.cast("float *", exp_avg_absmax),
+        "exp_avg_sq": ffi.cast("unsigned char *", exp_avg_sq),
+        "exp_avg_sq_absmax": ffi.cast("float *", exp_avg_sq_absmax), "block": block})
+    args = (hp, ffi.cast("void *", master), DTYPE_CODES[master_dtype], ffi.cast("void *", grad),
+            DTYPE_CODES[grad_dtype], st, ffi.cast("void *", out), DTYPE_CODES[out_dtype], n,
+            seed, index_base, threads)
+    if level is None:
+        rc = lib.off_adam8_step(*args)
+    else:
+        rc = lib.off_adam8_step_level(SIMD_LEVELS.index(level), *args)
+    check(rc, "off_adam8_step")
+
+
+def blockwise_quantize_raw(*, map_name: str, x: int, codes: int, absmax: int, block: int, n: int,
+                           threads: int, level: str | None = None) -> None:
+    """Quantise ``n`` fp32 values at ``x`` into codes and one absmax per block."""
+    ffi, lib = load()
+    rc = lib.off_blockwise_quantize(-1 if level is None else SIMD_LEVELS.index(level),
+                                    QMAPS[map_name], ffi.cast("float *", x),
+                                    ffi.cast("unsigned char *", codes), ffi.cast("float *", absmax),
+                                    block, n, threads)
+    check(rc, "off_blockwise_quantize")
+
+
+def blockwise_dequantize_raw(*, map_name: str, codes: int, absmax: int, block: int, x: int,
+                             n: int) -> None:
+    """``x[i] = map[codes[i]] * absmax[i // block]`` for ``n`` elements."""
+    ffi, lib = load()
+    rc = lib.off_blockwise_dequantize(QMAPS[map_name], ffi.cast("unsigned char *", codes),
+                                      ffi.cast("float *", absmax), block, ffi.cast("float *", x), n)
+    check(rc, "off_blockwise_dequantize")

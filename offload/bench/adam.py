@@ -8,6 +8,14 @@ written) and next to no arithmetic, prefetched like our kernels. Each repeat tim
 (the memory bus drifts over minutes); rates are medians over repeats, and the ratios
 (``roofline_fraction``, ``speedup_vs_torch_fused``) are medians of the per-repeat ratios.
 
+With ``state="8bit"`` (``--state 8bit``, optionally ``--master bf16``) ours is the block-wise
+8-bit kernel (``offload.optim.quantized``) and its ``gbps`` counts its own bytes: the gradient,
+the master (4 or 2 B) and both 1-byte moments read and written, the out copy, and the two
+absmax scales per block read and written. ``roofline_fraction`` is then its GB/s over the
+roofline loop's GB/s (the memory bandwidth measured with Adam's stream mix), and the fp32
+kernel runs beside it on the roofline's buffers (``speedup_vs_fp32_kernel``, in parameters/s).
+The torch sides are not timed for 8-bit state (a different algorithm).
+
 The torch sides do what a torch user must for the same result: with bf16/fp16 gradients they
 first copy them into an fp32 ``.grad``, and with an out dtype they copy the updated parameters
 into a preallocated bf16/fp16 tensor after the step. ``gbps`` is the useful traffic
@@ -25,6 +33,7 @@ import torch
 from .. import native
 from ..errors import ConfigError, OffloadError
 from ..optim.kernel import adam_step
+from ..optim.quantized import BLOCK_SIZE, adam_step_8bit, blocks
 from .common import write_json
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,19 +60,28 @@ def parse_count(value, field: str = "params") -> int:
     return count
 
 
-def bytes_per_param(grad_dtype: str, out_dtype: str) -> int:
-    """Bytes Adam must move per parameter: fp32 param/m/v read and written, grad read, out written."""
+def bytes_per_param(grad_dtype: str, out_dtype: str, state: str = "fp32",
+                    master: str = "fp32") -> float:
+    """Bytes Adam must move per parameter. fp32 state: param/m/v read and written (24), grad
+    read, out written. 8-bit: the master read and written, two 1-byte codes read and written,
+    grad, out, and two fp32 scales per block of 256 read and written (16/256 B)."""
     grad = DTYPES[grad_dtype].itemsize
     out = 0 if out_dtype == "none" else DTYPES[out_dtype].itemsize
+    if state == "8bit":
+        return 2 * DTYPES[master].itemsize + 2 * 2 + grad + out + 2 * 2 * 4 / BLOCK_SIZE
     return 12 + grad + 12 + out
 
 
-def bytes_needed(params: int, grad_dtype: str, out_dtype: str, with_torch: bool = True) -> int:
+def bytes_needed(params: int, grad_dtype: str, out_dtype: str, with_torch: bool = True,
+                 state: str = "fp32", master: str = "fp32") -> int:
     """Memory the run allocates: the shared buffers plus torch's fp32 grad copy and the
-    temporaries torch's foreach step allocates (about two parameter-sized fp32 tensors)."""
+    temporaries torch's foreach step allocates (about two parameter-sized fp32 tensors); for
+    8-bit state, its own master and codes beside the roofline's fp32 buffers."""
     own = 12 + DTYPES[grad_dtype].itemsize + (0 if out_dtype == "none" else 2)
     extra = 0
-    if with_torch:
+    if state == "8bit":
+        extra += DTYPES[master].itemsize + 2 + 1
+    elif with_torch:
         extra += 0 if grad_dtype == "fp32" else 4
         extra += 8
     return params * (own + extra)
@@ -85,18 +103,26 @@ def _median_rate(times: list[float], params: int) -> float:
 
 def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: str = "fp32",
             out_dtype: str = "none", repeats: int = 5, levels: list[str] | None = None,
-            with_torch: bool = True) -> dict:
+            with_torch: bool = True, state: str = "fp32", master: str = "fp32") -> dict:
     """Run the benchmark and return the JSON dict (see the module doc and ``offload bench adam``).
 
     ``params``: parameters per step. ``threads``: native and torch threads (None: physical
     cores). ``levels``: SIMD levels to time (None: every level this CPU runs). ``with_torch``:
-    time the torch sides too (the planner may skip them).
+    time the torch sides too (the planner may skip them; never for 8-bit state). ``state``:
+    "fp32" or "8bit" moments; ``master``: "fp32", or "bf16" (8-bit state only).
     """
     params = parse_count(params)
     if grad_dtype not in DTYPES:
         raise ConfigError("grad_dtype", grad_dtype, "must be fp32, bf16 or fp16")
     if out_dtype not in ("none", "bf16", "fp16"):
         raise ConfigError("out_dtype", out_dtype, "must be none, bf16 or fp16")
+    if state not in ("fp32", "8bit"):
+        raise ConfigError("state", state, "must be fp32 or 8bit")
+    if master not in ("fp32", "bf16"):
+        raise ConfigError("master", master, "must be fp32 or bf16")
+    if master == "bf16" and state != "8bit":
+        raise ConfigError("master", master, "a bf16 master needs state='8bit' (--state 8bit)")
+    with_torch = with_torch and state == "fp32"
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError("repeats", repeats, "must be an int >= 1")
     if threads is None:
@@ -104,11 +130,16 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ConfigError("threads", threads, "must be an int >= 1")
     available = native.simd_available()
-    levels = list(reversed(available)) if levels is None else list(levels)
+    if levels is None:
+        # the 8-bit scalar kernel is the bit-for-bit reference (a binary search per moment, ~40x
+        # slower), not a contender: time it only when asked or when it is all the CPU runs
+        levels = list(reversed(available[1:] if state == "8bit" and len(available) > 1 else available))
+    else:
+        levels = list(levels)
     for level in levels:
         if level not in available:
             raise ConfigError("levels", level, f"this CPU runs {', '.join(available)}")
-    _check_memory(bytes_needed(params, grad_dtype, out_dtype, with_torch))
+    _check_memory(bytes_needed(params, grad_dtype, out_dtype, with_torch, state, master))
 
     gen = torch.Generator().manual_seed(0)
     param = torch.randn(params, generator=gen)
@@ -131,27 +162,42 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
                                 e=out.data_ptr() if out is not None else 0, e_dtype=out_dtype,
                                 n=params, threads=threads)
 
-    sides = {f"offload_{level}": ours(level) for level in levels}
+    if state == "8bit":
+        master_buf = param.to(DTYPES[master])
+        codes_m = torch.full((params,), 127, dtype=torch.uint8)   # the signed map's zero
+        codes_v = torch.zeros(params, dtype=torch.uint8)
+        absmax_m, absmax_v = torch.zeros(blocks(params)), torch.zeros(blocks(params))
+
+        def ours8(level):
+            def run():
+                step[0] += 1
+                adam_step_8bit(master_buf, grad, codes_m, absmax_m, codes_v, absmax_v,
+                               step=step[0], out=out, threads=threads, simd=level, **HPARAMS)
+            return run
+        sides = {f"offload_{level}": ours8(level) for level in levels}
+        sides["fp32_kernel"] = ours(native.simd_level() if native.simd_level() in levels else levels[0])
+    else:
+        sides = {f"offload_{level}": ours(level) for level in levels}
     sides["roofline"] = roofline
     old_threads = torch.get_num_threads()
     torch_sides = {}
     if with_torch:
         torch.set_num_threads(threads)
-        master = torch.nn.Parameter(param, requires_grad=True)
-        master.grad = grad if grad_dtype == "fp32" else torch.empty(params)
+        torch_param = torch.nn.Parameter(param, requires_grad=True)
+        torch_param.grad = grad if grad_dtype == "fp32" else torch.empty(params)
 
         def torch_side(**kw):
-            opt = torch.optim.AdamW([master], lr=HPARAMS["lr"],
+            opt = torch.optim.AdamW([torch_param], lr=HPARAMS["lr"],
                                     betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
                                     eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], **kw)
-            state = opt.state[master]  # share our moments: no extra memory, same values
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = exp_avg
-            state["exp_avg_sq"] = exp_avg_sq
+            torch_state = opt.state[torch_param]  # share our moments: no extra memory, same values
+            torch_state["step"] = torch.tensor(0.0)
+            torch_state["exp_avg"] = exp_avg
+            torch_state["exp_avg_sq"] = exp_avg_sq
 
             def run():
                 if grad_dtype != "fp32":
-                    master.grad.copy_(grad)
+                    torch_param.grad.copy_(grad)
                 opt.step()
                 if out is not None:
                     out.copy_(param)
@@ -179,11 +225,13 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
     finally:
         torch.set_num_threads(old_threads)
 
-    bpp = bytes_per_param(grad_dtype, out_dtype)
+    bpp = bytes_per_param(grad_dtype, out_dtype, state, master)
+    bpp_fp32 = bytes_per_param(grad_dtype, out_dtype)
     results = {}
     for name, ts in times.items():
         rate = _median_rate(ts, params)
-        results[name] = {"params_per_s": rate, "gbps": rate * bpp / 1e9,
+        own = bpp if name.startswith("offload_") else bpp_fp32
+        results[name] = {"params_per_s": rate, "gbps": rate * own / 1e9,
                          "seconds": [round(t, 6) for t in ts]}
     level = native.simd_level() if native.simd_level() in levels else levels[0]
     results["offload"] = dict(results[f"offload_{level}"])
@@ -197,9 +245,13 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
 
     report = {
         "params": params, "threads": threads, "simd": level, "grad_dtype": grad_dtype,
-        "out_dtype": out_dtype, "bytes_per_param": bpp, "repeats": repeats, "results": results,
-        "roofline_fraction": paired("roofline"),
+        "out_dtype": out_dtype, "state": state, "master": master, "bytes_per_param": bpp,
+        "roofline_bytes_per_param": bpp_fp32, "repeats": repeats, "results": results,
+        # our bytes/s over the roofline loop's bytes/s, repeat by repeat
+        "roofline_fraction": paired("roofline") * bpp / bpp_fp32,
     }
+    if "fp32_kernel" in times:
+        report["speedup_vs_fp32_kernel"] = paired("fp32_kernel")
     if "torch_fused" in times:
         report["speedup_vs_torch_fused"] = paired("torch_fused")
     return report
@@ -213,6 +265,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--out-dtype", choices=("none", "bf16", "fp16"), default="none",
                         help="also write the updated parameters in this dtype (default none)")
+    parser.add_argument("--state", choices=("fp32", "8bit"), default="fp32",
+                        help="Adam moments: fp32, or block-wise 8-bit (default fp32)")
+    parser.add_argument("--master", choices=("fp32", "bf16"), default="fp32",
+                        help="master weights (bf16: stochastic rounding; needs --state 8bit)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median)")
     parser.add_argument("--simd", action="append", choices=native.SIMD_LEVELS, default=None,
                         help="time only this SIMD level (repeatable; default: every level the CPU runs)")
@@ -222,19 +278,22 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     report = measure(params=parse_count(args.params), threads=args.threads,
                      grad_dtype=args.grad_dtype, out_dtype=args.out_dtype, repeats=args.repeats,
-                     levels=args.simd)
+                     levels=args.simd, state=args.state, master=args.master)
     res = report["results"]
-    roof = res["roofline"]["params_per_s"]
-    print(f"CPU Adam: {report['params']:,} params, {report['threads']} threads, grad "
-          f"{report['grad_dtype']}, out {report['out_dtype']}, {report['bytes_per_param']} B/param, "
-          f"median of {report['repeats']}")
+    roof = res["roofline"]["gbps"]
+    print(f"CPU Adam: {report['params']:,} params, {report['threads']} threads, state "
+          f"{report['state']}, master {report['master']}, grad {report['grad_dtype']}, out "
+          f"{report['out_dtype']}, {report['bytes_per_param']:.2f} B/param (roofline loop "
+          f"{report['roofline_bytes_per_param']} B/param), median of {report['repeats']}")
     print(f"{'side':<18}{'Gparams/s':>10}{'GB/s':>8}{'of roofline':>13}")
     for name, r in res.items():
         if name == "offload" or r is None:
             continue
         print(f"{name:<18}{r['params_per_s'] / 1e9:>10.3f}{r['gbps']:>8.1f}"
-              f"{r['params_per_s'] / roof:>13.2f}")
-    line = f"offload ({report['simd']}): {report['roofline_fraction']:.2f} of roofline"
+              f"{r['gbps'] / roof:>13.2f}")
+    line = f"offload ({report['simd']}): {report['roofline_fraction']:.2f} of roofline (GB/s)"
+    if "speedup_vs_fp32_kernel" in report:
+        line += f", {report['speedup_vs_fp32_kernel']:.2f}x the fp32 kernel's params/s"
     if "speedup_vs_torch_fused" in report:
         line += f", {report['speedup_vs_torch_fused']:.2f}x torch fused"
     print(line)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import auto_max_chunk
-from ..config import OffloadConfig
+from ..config import CHUNK_QUANTUM, OffloadConfig
 from ..distributed import expand_rank
 from ..distributed.agree import check_same_layout
 from ..errors import ConfigError
@@ -88,8 +88,10 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
         check_same_layout(layout, dtype)
     n, e = layout.chunk_size, dtype.itemsize
     need_device = min_device_bytes_sharded(n, e, layout.largest_chunk, sharding.world if sharding else 1)
-    # The CPU Adam updates this rank's piece of a chunk at a time (the whole chunk in one process).
-    piece = sharding.piece_numel if sharding is not None else (lambda numel: numel)
+    # The CPU Adam updates this rank's piece of a chunk at a time (the whole chunk in one process),
+    # each kind's buffer in whole 4 KiB blocks (CHUNK_QUANTUM elements are whole blocks of any dtype).
+    piece = (lambda n: -(-sharding.piece_numel(n) // CHUNK_QUANTUM) * CHUNK_QUANTUM) if sharding is not None \
+        else (lambda n: n)
     trainable = [piece(layout.sizes[c]) for c in layout.trainable_chunks]
     need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), piece(layout.largest_chunk) * e)
     groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "

@@ -1,0 +1,148 @@
+/*
+ * Internal to the 8-bit Adam (adam8*.c): the code tables, the per-call constants, the kernel
+ * signature, and the scalar pieces (random bits, stochastic rounding, the table search) that
+ * the SIMD kernels reproduce bit for bit. Not part of the public API.
+ */
+#ifndef OFF_ADAM8_INTERNAL_H
+#define OFF_ADAM8_INTERNAL_H
+
+#include "adam_internal.h"
+
+#define OFF_ADAM8_MAX_BLOCK 4096
+/* How far ahead (elements) the SIMD kernels prefetch each block's streams. */
+#ifndef OFF_ADAM8_PREFETCH
+#define OFF_ADAM8_PREFETCH 1024
+#endif
+
+/*
+ * The maps and what the SIMD search needs, built once at load by adam8.c:
+ *   values[map][256]  ascending code values (value = values[code] * absmax)
+ *   mid[map][255]     float midpoints between neighbours: the nearest code of x is the
+ *                     number of midpoints below x (a tie goes to the lower code)
+ *   bucket[map][2*NB] that count without a search. |x| is cut into buckets by its float bits
+ *                     (exponent and top 7 mantissa bits); each bucket holds at most one
+ *                     midpoint, so count = entry's base + one comparison of the low 16 bits.
+ *                     Entry: base (bits 0-7) | that midpoint's low 16 bits (16-31). The second
+ *                     half serves negative x, where the comparison is reversed; the unsigned
+ *                     map's SIMD search clamps x at +0 instead (its midpoints are all > 0).
+ */
+#define OFF_QB_E0 104                   /* buckets start at 2^(104-127) = 2^-23 */
+#define OFF_QB_BINADES 23               /* 2^-23 .. 1; one more bucket for >= 1, one for < 2^-23 */
+#define OFF_QB_N (OFF_QB_BINADES * 128 + 2)
+
+typedef struct off__qtables {
+    float values[2][256];
+    float mid[2][255];
+    uint32_t bucket[2][2 * OFF_QB_N];
+    uint8_t zero_code[2];               /* the code of 0.0 */
+} off__qtables;
+
+extern off__qtables off__qt;
+
+/* The bucket of |x| (bits a, sign cleared): 0 below 2^-23, OFF_QB_N - 1 at and above 1. */
+static inline uint32_t off__qbucket(uint32_t a)
+{
+    if (a < ((uint32_t)OFF_QB_E0 << 23))
+        return 0;
+    uint32_t b = (a >> 16) - ((uint32_t)OFF_QB_E0 << 7) + 1;
+    return b < OFF_QB_N - 1 ? b : OFF_QB_N - 1;
+}
+
+/* Per-call constants: the fp32 kernel's, plus the block and the stochastic-rounding key. */
+typedef struct off__adam8_consts {
+    off__adam_consts a;
+    float step_bc2;                     /* lr / (1 - beta1^t) * sqrt(1 - beta2^t) */
+    float eps_bc2;                      /* eps * sqrt(1 - beta2^t) */
+    long long block;
+    uint32_t key;                       /* hash of (seed, step) */
+} off__adam8_consts;
+
+/* The buffers of one call; kernels index them from the slice's start. */
+typedef struct off__adam8_io {
+    void *master;
+    int master_dtype;                   /* FP32 or BF16 */
+    const void *grad;
+    int grad_dtype;
+    uint8_t *m_codes;
+    float *m_absmax;
+    uint8_t *v_codes;
+    float *v_absmax;
+    void *out;
+    int out_dtype;                      /* NONE, FP32, BF16, FP16 */
+    long long index_base;               /* element index of the slice's start (random bits) */
+} off__adam8_io;
+
+/* Blocks [begin, end) of elements (begin a block boundary, end a boundary or n). */
+typedef void (*off__adam8_kernel)(const off__adam8_consts *c, const off__adam8_io *io,
+                                  long long begin, long long end);
+/* Quantise x[0, n) (one block at most) into codes; returns the block's scale. */
+typedef float (*off__quant_kernel)(int map, const float *x, uint8_t *codes, long long n);
+
+void off__adam8_scalar(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
+                       long long end);
+float off__quant_scalar(int map, const float *x, uint8_t *codes, long long n);
+#if defined(__x86_64__)
+void off__adam8_avx2(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
+                     long long end);
+float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n);
+void off__adam8_avx512(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
+                       long long end);
+float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n);
+#endif
+
+/* lowbias32 (Wellons' hash prospector): a bijective 32-bit mix, two multiplies. */
+static inline uint32_t off__mix32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* The per-call key from (seed, step); element i then draws mix32(lo32(i) ^ mix32(key ^ hi32(i))):
+ * counter-based, so no state, and the same bits whatever the split or the instruction set. */
+static inline uint32_t off__sr_key(unsigned long long seed, long long step)
+{
+    uint32_t k = off__mix32((uint32_t)(seed >> 32) ^ 0x9e3779b9u);
+    k = off__mix32(k ^ (uint32_t)seed);
+    k = off__mix32(k ^ (uint32_t)((unsigned long long)step >> 32));
+    return off__mix32(k ^ (uint32_t)step);
+}
+
+static inline uint32_t off__sr_bits(uint32_t key, unsigned long long index)
+{
+    return off__mix32((uint32_t)index ^ off__mix32(key ^ (uint32_t)(index >> 32)));
+}
+
+/* fp32 -> bf16 rounding up with probability (dropped bits) / 2^16: unbiased, so updates far
+ * below half a bf16 ulp still move the master on average. NaN stays a quiet NaN; infinities
+ * stay infinite. */
+static inline uint16_t off__f32_to_bf16_sr(float f, uint32_t r)
+{
+    uint32_t u = off__f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x0040u);
+    return (uint16_t)((u + (r & 0xffffu)) >> 16);
+}
+
+/* The scale to divide a block by: 1/absmax, or 0 for a block that is all zeros or whose
+ * absmax is below FLT_MIN (1/absmax would overflow): that block is stored as zeros. */
+static inline float off__inv_scale(float absmax)
+{
+    return absmax >= 0x1p-126f ? 1.0f / absmax : 0.0f;
+}
+
+/* The nearest code through the buckets (what the SIMD kernels compute lane by lane). */
+static inline uint8_t off__qcode_bucket(int map, float x)
+{
+    uint32_t u = off__f32_bits(x);
+    uint32_t a = u & 0x7fffffffu;
+    uint32_t neg = u >> 31;
+    uint32_t e = off__qt.bucket[map][off__qbucket(a) + neg * OFF_QB_N];
+    uint32_t t = e >> 16, xl = a & 0xffffu;
+    return (uint8_t)((e & 0xffu) + (neg ? t > xl : xl > t));
+}
+
+#endif
