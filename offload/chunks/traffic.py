@@ -290,10 +290,10 @@ class ChunkTraffic:
                 if moving:
                     moving[0].wait()
                     continue
-                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
-                    continue
                 if t.fits_outside_arena(nbytes):    # the bytes are free, only not contiguous
                     return True
+                if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
+                    continue
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self.holders(tier))
             if not candidates:
                 return False

@@ -139,8 +139,9 @@ def load_safetensors(model, path_or_dir: str | os.PathLike, *, strict: bool = Tr
         """``rows(r0, r1)``: rows ``r0:r1`` of the tensor (read alone, through the open file's map)."""
         def read(r0: int, r1: int | None) -> torch.Tensor:
             try:
-                sl = handle(file).get_slice(name)
-                return sl[r0:r1] if sl.get_shape() else handle(file).get_tensor(name)
+                with torch.device("cpu"):   # whatever torch.set_default_device says
+                    sl = handle(file).get_slice(name)
+                    return sl[r0:r1] if sl.get_shape() else handle(file).get_tensor(name)
             except Exception as exc:
                 raise OffloadError(f"{file}: tensor {name!r} cannot be read: {exc}") from exc
         return read

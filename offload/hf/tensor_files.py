@@ -32,7 +32,8 @@ def read_rows(file: Path, name: str, start: int, stop: int | None = None) -> tor
     from safetensors import safe_open
 
     try:
-        with safe_open(str(file), framework="pt") as f:
+        # On the CPU whatever torch.set_default_device says (slices are made by torch ops).
+        with torch.device("cpu"), safe_open(str(file), framework="pt", device="cpu") as f:
             sl = f.get_slice(name)
             if not sl.get_shape():
                 return f.get_tensor(name)
