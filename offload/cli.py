@@ -43,6 +43,13 @@ class HelpParser(argparse.ArgumentParser):
     def format_usage(self) -> str:
         return plain_text(super().format_usage())
 
+    def error(self, message: str):
+        # Under torchrun every rank parses the same command line: rank 0 alone says what is wrong
+        # (the others exit with the same status), as for every other error of a run.
+        if os.environ.get("RANK", "0") != "0":
+            self.exit(2)
+        super().error(message)
+
 
 def plain_text(text: str) -> str:
     """``text`` with reST inline literals (also when help wrapping broke one over lines) in single quotes."""

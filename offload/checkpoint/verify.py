@@ -143,7 +143,8 @@ def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]
         # Which one a resume loads: the first candidate that verifies.
         good = {v.path for v in verdicts if v.ok}
         chosen = next((p for p in candidates(root) if str(p) in good), None)
-        notes.append(f"--resume loads {chosen.name if chosen else 'nothing: no checkpoint verifies'}")
+        notes.append(f"--resume loads {chosen.name}" if chosen else
+                     "--resume refuses: no checkpoint verifies (move the directory aside to start fresh)")
     return verdicts, notes
 
 

@@ -21,11 +21,12 @@ completion only) or {"messages"} (the tokenizer's chat template; loss on the ass
 
 Preemption: SIGTERM or SIGINT finishes the step in flight, writes a checkpoint (to --checkpoint-dir,
 or the default place the start-up log names) and exits 143 (SIGTERM) or 130 (SIGINT); a second
-signal exits at once. --resume continues from the newest checkpoint that verifies, or starts
-fresh when there is none. Exit status 1: a one-line error; 2: a bad command line or --config file.
+signal exits at once. --resume continues from the newest checkpoint that verifies, starts fresh
+when there is none, and refuses when there are some but none verifies. Exit status 1: a one-line
+error; 2: a bad command line or --config file.
 
-Under torchrun (torchrun --nproc-per-node 8 scripts/finetune_100b.py ...) each rank owns 1/N of
-the chunks; --batch-tokens is global, --micro-batches and the budgets are per rank; rank 0 alone
+Under torchrun (torchrun --nproc-per-node 8 scripts/finetune_100b.py ...) each rank keeps a 1/N
+piece of every chunk; --batch-tokens is global, --micro-batches and the budgets are per rank; rank 0 alone
 prints, and a failure on any rank ends every rank with one line from rank 0.
 """
 
