@@ -42,6 +42,8 @@ def make_plan(config: TrainConfig, cfg, engine_config, described=None, ranks: Ra
                     activation_checkpointing=not config.model.no_checkpointing,
                     device_budget=None if engine_config.device_budget == "auto" else int(engine_config.device_budget),
                     cpu_budget=None if engine_config.cpu_budget == "auto" else int(engine_config.cpu_budget),
+                    # --chunk-size, or a resumed checkpoint's: the layout the engine will build.
+                    chunk_size=None if engine_config.chunk_size == "auto" else int(engine_config.chunk_size),
                     defer_step=config.optimizer.max_grad_norm is not None,
                     world=ranks.world, local_world=ranks.local_world)
     # The planner chooses where activations wait, the device budget, and how many passes a step
