@@ -41,19 +41,20 @@ from .updates import ReadyGradients, UpdateQueue
 class OffloadEngine:
     """One wrapped model: its chunk layout and store, and the components of its training step."""
 
-    def __init__(self, model: nn.Module, config: OffloadConfig):
+    def __init__(self, model: nn.Module, config: OffloadConfig, *, process_group=None):
         self.model = model
         self.config = config
         # Under torchrun, this rank's own GPU (see compute_device): before anything touches CUDA.
         self.device = compute_device(config, [*model.parameters(), *model.buffers()])
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
-        # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed).
-        self.dp = dp = Sharding.from_process_group()
+        # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed):
+        # the default group, or the one given (a pipeline stage's data-parallel group).
+        self.dp = dp = Sharding.from_process_group(process_group)
         budgets = resolve_budgets(config, self.device, dp.local_world if dp is not None else 1)
         self.device_budget, self.cpu_budget = budgets.device, budgets.cpu
         if dp is not None:      # the chunk size follows the budgets: every rank must build the same layout
-            self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget)
+            self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget, dp.group)
         lazy = lazy_record(model)
         named, shapes = build.offloaded_parameters(model, self.dtype, self.device, lazy)
         self.layout = build.build_layout(named, shapes, config, self.dtype, self.device_budget, self.cpu_budget, dp)

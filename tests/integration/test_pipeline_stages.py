@@ -1,0 +1,92 @@
+"""Pipeline stages with offloaded state (issue 28): the preset tiny LLaMA cut into stages, each
+wrapped by its own engine (NVMe forced), driven by torch.distributed.pipelining's schedules over
+gloo ranks, trains exactly like one process of plain PyTorch on the same global batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.pp_worker import llama_batches, tiny_llama
+from tests.helpers.ranks import launch
+from tests.helpers.reference import LR, WD
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
+
+pytestmark = pytest.mark.slow
+WORKER = "tests.helpers.pp_worker:main"
+STEPS, BATCH, SEQ = 3, 8, 16
+TOL = 1e-5
+
+
+def config(tmp: Path) -> dict:
+    # budgets far below a stage's state: every chunk passes through the NVMe tier
+    return dict(device="cpu", dtype="fp32", device_budget="3MiB", cpu_budget="3MiB",
+                nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=65536)
+
+
+def train_plain(model, steps: int = STEPS) -> tuple[list[float], dict]:
+    """One process of plain PyTorch (torch.optim.AdamW) on the whole global batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for x in llama_batches(steps, BATCH, SEQ):
+        loss = model(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Reference:
+    """The same training in one process of plain PyTorch, in fp32 and in float64 (the exact run)."""
+
+    def __init__(self):
+        model = tiny_llama()
+        exact = float64_twin(model)
+        self.losses, self.state = train_plain(model)
+        self.exact_losses, self.exact_state = train_plain(exact)
+
+    def check(self, results) -> None:
+        """The last stage's losses within 1e-5 of fp32 PyTorch's, and every parameter as close to
+        the float64 run as fp32 PyTorch's is (tests/helpers/trajectory.py): Adam divides each
+        gradient by its own running magnitude, so a rounding difference in a gradient near zero
+        moves its parameter by up to the learning rate in either fp32 run; comparing the two fp32
+        runs element by element would judge rounding, not the pipeline."""
+        losses = results[-1].value["losses"]
+        assert max(abs(a - b) for a, b in zip(losses, self.losses)) <= TOL, (losses, self.losses)
+        assert_losses_within_drift(losses, self.losses, self.exact_losses)
+        got = {}
+        for r in results:
+            got.update(r.value["state"])
+        assert set(got) == set(self.state)          # the stages hold every parameter, once
+        assert_within_drift(got, self.state, self.exact_state)
+
+
+def run(tmp: Path, schedule: str, *, pp: int = 2, dp: int = 1, micro_batches: int = 4, steps: int = STEPS,
+        **extra) -> list:
+    spec = dict(schedule=schedule, pp=pp, dp=dp, micro_batches=micro_batches, steps=steps, batch=BATCH,
+                seq=SEQ, config=config(tmp), **extra)
+    return launch(WORKER, spec, pp * dp, tmp, timeout_s=240)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
+def test_two_stages_under_each_schedule_train_like_one_process(tmp_path, schedule):
+    want = Reference()
+    results = run(tmp_path, schedule)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
+    want.check(results)
+
+
+def test_a_stage_raising_mid_schedule_ends_every_rank_with_one_error(tmp_path):
+    """Rank 1 (the last stage) raises in its second step's first forward: it fails with its own
+    error, rank 0 (blocked on the activations' or gradients' exchange) with one DistributedError
+    naming rank 1; neither hangs."""
+    results = run(tmp_path, "1f1b", fail_at=[1, 1])
+    assert all(r.returncode is not None for r in results), "a rank hung"
+    assert results[1].returncode != 0 and "injected failure in a pipeline stage's forward" in results[1].output
+    assert results[0].returncode != 0
+    errors = [line for line in results[0].output.splitlines() if line.startswith("RANK-ERROR")]
+    assert len(errors) == 1 and "DistributedError" in errors[0] and "rank 1" in errors[0], results[0].output[-3000:]
