@@ -159,6 +159,14 @@ class OffloadEngine:
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         self.hooks.register_external_parameter(module, param)
 
+    def input_pass(self):
+        """Context of a split backward's input pass (see ``ModuleHooks.input_pass``)."""
+        return self.hooks.input_pass()
+
+    def weight_pass(self):
+        """Context of a split backward's weight pass (see ``ModuleHooks.weight_pass``)."""
+        return self.hooks.weight_pass()
+
     # Where the step is, for checkpoints and clipping (see StepProgress).
     optimizer = property(lambda self: self.pipeline.optimizer)
     micro_batches = property(lambda self: self.progress.micro_batches)

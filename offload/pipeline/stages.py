@@ -70,6 +70,28 @@ def io_meta(module: nn.Module, batch: int, seq: int, dtype: torch.dtype):
     return (inp,), (out,)
 
 
+def offloaded_stage_class():
+    """``PipelineStage`` whose split backward (zero-bubble schedules) tells the stage's engine which
+    pass runs: torch computes the input gradients with ``autograd.grad`` (no parameter's
+    gradient), then later the weight gradients, assigned to ``.grad`` where no accumulation hook
+    sees them (``ModuleHooks.input_pass`` / ``weight_pass``). Built on first use: importing
+    ``torch.distributed.pipelining`` is not free."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class OffloadedStage(PipelineStage):
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            if full_backward:
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            with self.submod.offload_engine.input_pass():
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            with self.submod.offload_engine.weight_pass():
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    return OffloadedStage
+
+
 class StagedModel:
     """This pipeline rank's stages of a model cut by ``offload.pipeline.split_*``.
 
@@ -96,11 +118,10 @@ class StagedModel:
         self.modules = [api.wrap(stage_modules[s], self.config, process_group=dp_group) for s in self.indices]
         dtype = DTYPES[self.config.dtype]
         self.stages = []
-        from torch.distributed.pipelining import PipelineStage
-
+        stage_class = offloaded_stage_class()
         for s, module in zip(self.indices, self.modules):
             inputs, outputs = io_meta(module, *micro_batch, dtype)
-            self.stages.append(PipelineStage(module, s, count, module.offload_engine.device,
+            self.stages.append(stage_class(module, s, count, module.offload_engine.device,
                                              input_args=inputs, output_args=outputs, group=pp_group))
         self.has_first = 0 in self.indices
         self.has_last = count - 1 in self.indices

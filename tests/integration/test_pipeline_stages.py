@@ -71,7 +71,7 @@ def run(tmp: Path, schedule: str, *, pp: int = 2, dp: int = 1, micro_batches: in
     return launch(WORKER, spec, pp * dp, tmp, timeout_s=240)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble"])
 def test_two_stages_under_each_schedule_train_like_one_process(tmp_path, schedule):
     want = Reference()
     results = run(tmp_path, schedule)
