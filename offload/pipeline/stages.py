@@ -25,7 +25,6 @@ from torch import nn
 from .. import api
 from ..config import OffloadConfig
 from ..distributed import failure
-from ..engine.params import DTYPES
 from ..errors import ConfigError, DistributedError
 from .schedules import make_schedule, multi_stage
 
@@ -116,11 +115,10 @@ class StagedModel:
         self.indices = list(range(self.pp_rank, count, self.pp))
         failure.install(dist.get_rank())        # a rank that fails names itself to the others
         self.modules = [api.wrap(stage_modules[s], self.config, process_group=dp_group) for s in self.indices]
-        dtype = DTYPES[self.config.dtype]
         self.stages = []
         stage_class = offloaded_stage_class()
         for s, module in zip(self.indices, self.modules):
-            inputs, outputs = io_meta(module, *micro_batch, dtype)
+            inputs, outputs = io_meta(module, *micro_batch, module.offload_engine.dtype)
             self.stages.append(stage_class(module, s, count, module.offload_engine.device,
                                              input_args=inputs, output_args=outputs, group=pp_group))
         self.has_first = 0 in self.indices

@@ -22,7 +22,7 @@ TOL = 1e-5
 
 def config(tmp: Path) -> dict:
     # budgets far below a stage's state: every chunk passes through the NVMe tier
-    return dict(device="cpu", dtype="fp32", device_budget="3MiB", cpu_budget="3MiB",
+    return dict(device="cpu", dtype="fp32", device_budget="5MiB", cpu_budget="5MiB",
                 nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=65536)
 
 
@@ -78,6 +78,8 @@ def test_two_stages_under_each_schedule_train_like_one_process(tmp_path, schedul
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
     want.check(results)
+    for r in results:               # every stage's engine went through its NVMe tier in the last step
+        assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
 
 
 def test_a_stage_raising_mid_schedule_ends_every_rank_with_one_error(tmp_path):
@@ -90,3 +92,19 @@ def test_a_stage_raising_mid_schedule_ends_every_rank_with_one_error(tmp_path):
     assert results[0].returncode != 0
     errors = [line for line in results[0].output.splitlines() if line.startswith("RANK-ERROR")]
     assert len(errors) == 1 and "DistributedError" in errors[0] and "rank 1" in errors[0], results[0].output[-3000:]
+
+
+def test_two_stages_by_two_data_parallel_ranks_train_like_one_process(tmp_path):
+    """A 2 x 2 (pp x dp) mesh: each stage's engine slices its chunks over its data-parallel pair
+    (its own process group, not the default one), each pair takes half of every global batch."""
+    want = Reference()
+    results = run(tmp_path, "1f1b", dp=2, micro_batches=2)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
+    assert [r.value["stages"] for r in results] == [[0], [0], [1], [1]]
+    # ranks 2 and 3 hold the last stage and each saw half the batch: their mean is the global loss
+    losses = [(a + b) / 2 for a, b in zip(results[2].value["losses"], results[3].value["losses"])]
+    assert max(abs(a - b) for a, b in zip(losses, want.losses)) <= TOL, (losses, want.losses)
+    for r in results:               # each dp pair's state dict is a collective: both hold all of it
+        assert_within_drift(r.value["state"], {k: want.state[k] for k in r.value["state"]},
+                            {k: want.exact_state[k] for k in r.value["state"]})
