@@ -101,7 +101,8 @@ class HFStage(nn.Module):
     """Units ``[lo, hi)`` of an HF causal LM of the LLaMA family (``model.model.embed_tokens``,
     ``.layers``, ``.norm``, ``.rotary_emb``, ``model.lm_head``: Llama, Mistral, Qwen2, ...).
     Attention is causal over the whole micro-batch (no padding mask: pipeline micro-batches are
-    packed sequences)."""
+    packed sequences): SDPA and flash attention are causal without a mask, the eager one is
+    given an additive causal mask."""
 
     def __init__(self, model, spec: StageSpec):
         super().__init__()
@@ -115,14 +116,24 @@ class HFStage(nn.Module):
         last = spec.hi == n + 2
         self.norm = inner.norm if last else None
         self.lm_head = model.lm_head if last else None
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.mask_free = impl == "sdpa" or impl.startswith("flash")
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.mask_free:
+            return None
+        t = x.shape[1]
+        above = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        return torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(above, torch.finfo(x.dtype).min)[None, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         rope = self.rotary_emb(x, positions)
+        mask = self._mask(x)
         for layer in self.layers:
-            out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
             x = out[0] if isinstance(out, tuple) else out
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))

@@ -1,6 +1,7 @@
 """One rank of a pipeline-stages test run: ``launch("tests.helpers.pp_worker:main", spec, world, tmp)``.
 
 spec: {"schedule", "pp", "dp", "micro_batches", "steps", "batch", "seq", "config": {...OffloadConfig},
+"model": "llama" (default: offload's preset) or "hf" (``tiny_hf``),
 "fail_at": [global rank, step] (that rank's last stage raises in its forward then), "timeout_s"}.
 Every rank builds the preset tiny LLaMA (untied: pipeline stages refuse tied embeddings) from
 seed 0, cuts it into the schedule's stages (offload.pipeline.split_llama), keeps its own, and
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 import offload
 from offload.models.llama import LlamaForCausalLM, get_preset
-from offload.pipeline import StagedModel, pipeline_mesh, split_llama, stage_count
+from offload.pipeline import StagedModel, pipeline_mesh, split_hf, split_llama, stage_count
 
 from .reference import LR, WD
 
@@ -27,6 +28,16 @@ from .reference import LR, WD
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(get_preset("tiny").replace(tie_embeddings=False))
+
+
+def tiny_hf(seed: int = 0):
+    """A 4-layer untied HF LlamaForCausalLM (tests/helpers/hf_models.py's tiny config), from ``seed``."""
+    import transformers
+
+    from .hf_models import tiny_config
+
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(tiny_config("llama", num_hidden_layers=4, tie_word_embeddings=False))
 
 
 def llama_batches(n: int, batch: int, seq: int, seed: int = 0) -> list[torch.Tensor]:
@@ -52,10 +63,11 @@ def main(spec: dict) -> dict:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("timeout_s", 60)))
     pp, dp, m = spec["pp"], spec.get("dp", 1), spec["micro_batches"]
-    model = tiny_llama()
+    hf = spec.get("model") == "hf"
+    model = tiny_hf() if hf else tiny_llama()
     names = {id(p): n for n, p in model.named_parameters()}
     mesh = pipeline_mesh(pp, dp)
-    modules = split_llama(model, stage_count(spec["schedule"], pp))
+    modules = (split_hf if hf else split_llama)(model, stage_count(spec["schedule"], pp))
     fail_rank, fail_step = spec.get("fail_at") or (None, None)
     if fail_rank == rank:
         mine = modules[rank // dp]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.pp_worker import llama_batches, tiny_llama
+from offload.pipeline import causal_lm_loss
+from tests.helpers.pp_worker import llama_batches, tiny_hf, tiny_llama
 from tests.helpers.ranks import launch
 from tests.helpers.reference import LR, WD
 from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
@@ -31,7 +32,7 @@ def train_plain(model, steps: int = STEPS) -> tuple[list[float], dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for x in llama_batches(steps, BATCH, SEQ):
-        loss = model(x, labels=x).loss
+        loss = causal_lm_loss(1)(model(x).logits, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -42,8 +43,8 @@ def train_plain(model, steps: int = STEPS) -> tuple[list[float], dict]:
 class Reference:
     """The same training in one process of plain PyTorch, in fp32 and in float64 (the exact run)."""
 
-    def __init__(self):
-        model = tiny_llama()
+    def __init__(self, make=tiny_llama):
+        model = make()
         exact = float64_twin(model)
         self.losses, self.state = train_plain(model)
         self.exact_losses, self.exact_state = train_plain(exact)
@@ -67,7 +68,7 @@ class Reference:
 def run(tmp: Path, schedule: str, *, pp: int = 2, dp: int = 1, micro_batches: int = 4, steps: int = STEPS,
         **extra) -> list:
     spec = dict(schedule=schedule, pp=pp, dp=dp, micro_batches=micro_batches, steps=steps, batch=BATCH,
-                seq=SEQ, config=config(tmp), **extra)
+                seq=SEQ, **{"config": config(tmp), **extra})
     return launch(WORKER, spec, pp * dp, tmp, timeout_s=240)
 
 
@@ -79,6 +80,17 @@ def test_two_stages_under_each_schedule_train_like_one_process(tmp_path, schedul
         assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
     want.check(results)
     for r in results:               # every stage's engine went through its NVMe tier in the last step
+        assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
+
+
+def test_an_hf_llama_in_two_stages_under_1f1b_trains_like_one_process(tmp_path):
+    want = Reference(tiny_hf)
+    results = run(tmp_path, "1f1b", model="hf",
+                  config=dict(config(tmp_path), device_budget="128KiB", cpu_budget="128KiB", chunk_size=2048))
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
+    want.check(results)
+    for r in results:
         assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
 
 
