@@ -51,7 +51,10 @@ class OffloadEngine:
         # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed):
         # the default group, or the one given (a pipeline stage's data-parallel group).
         self.dp = dp = Sharding.from_process_group(process_group)
-        budgets = resolve_budgets(config, self.device, dp.local_world if dp is not None else 1)
+        # The processes on this host share its memory and cores whatever their groups (pipeline
+        # stages are groups of one rank each): the default group says how many there are.
+        host = dp if dp is not None and dp.group is None else Sharding.from_process_group()
+        budgets = resolve_budgets(config, self.device, host.local_world if host is not None else 1)
         self.device_budget, self.cpu_budget = budgets.device, budgets.cpu
         if dp is not None:      # the chunk size follows the budgets: every rank must build the same layout
             self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget, dp.group)
@@ -84,7 +87,7 @@ class OffloadEngine:
             p._offload_engine = weakref.ref(self)
 
         # The step's components.
-        self.adam = ChunkAdam(self.params, self.store, self.tracer, threads=build.optimizer_threads(config, dp),
+        self.adam = ChunkAdam(self.params, self.store, self.tracer, threads=build.optimizer_threads(config, host),
                               read_ahead=config.prefetch_depth, device=self.device, spills=self.spills)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
