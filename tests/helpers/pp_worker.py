@@ -92,4 +92,5 @@ def main(spec: dict) -> dict:
             state[names[id(p)]] = sd[local].detach().clone()
     stats = [mod.offload_stats() for mod in staged.modules]
     return {"losses": losses, "state": state, "stages": staged.indices,
-            "moved": [s.get("moved_bytes", {}) for s in stats]}
+            "moved": [s.get("moved_bytes", {}) for s in stats],
+            "hit_rate": [s.get("prefetch_hit_rate") for s in stats]}
