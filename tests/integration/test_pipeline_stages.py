@@ -97,11 +97,12 @@ def test_an_hf_llama_in_two_stages_under_1f1b_trains_like_one_process(tmp_path):
         assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
 
 
-def test_a_stage_raising_mid_schedule_ends_every_rank_with_one_error(tmp_path):
-    """Rank 1 (the last stage) raises in its second step's first forward: it fails with its own
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_a_stage_raising_mid_schedule_ends_every_rank_with_one_error(tmp_path, schedule):
+    """Rank 1's first stage raises in its second step's first forward: rank 1 fails with its own
     error, rank 0 (blocked on the activations' or gradients' exchange) with one DistributedError
-    naming rank 1; neither hangs."""
-    results = run(tmp_path, "1f1b", fail_at=[1, 1])
+    naming rank 1; neither hangs (with two engines per rank too)."""
+    results = run(tmp_path, schedule, fail_at=[1, 1])
     assert all(r.returncode is not None for r in results), "a rank hung"
     assert results[1].returncode != 0 and "injected failure in a pipeline stage's forward" in results[1].output
     assert results[0].returncode != 0
