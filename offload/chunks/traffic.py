@@ -282,8 +282,7 @@ class ChunkTraffic:
                     return False
             if not candidates and later_than is None:
                 # Host buffers that uploads still read come back once those are done; chunks
-                # mid-move (landing here, or being written down from here) become evictable once
-                # their move is done; chunks another thread has pinned, once it lets go.
+                # mid-move become evictable once moved; chunks pinned elsewhere, once let go.
                 if self._retire(wait_on=tier):
                     continue
                 moving = [m for r in self.records.values() if tier in r.buffers or tier in r.incoming
@@ -293,6 +292,8 @@ class ChunkTraffic:
                     continue
                 if self._pinned_elsewhere(tier) and self.released.wait(timeout=PIN_WAIT_S):
                     continue
+                if t.fits_outside_arena(nbytes):    # the bytes are free, only not contiguous
+                    return True
                 raise TierFullError(tier, t.budget, t.in_use, nbytes, self.holders(tier))
             if not candidates:
                 return False

@@ -160,6 +160,21 @@ def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, d
     return config.nvme_paths is not None and persistent > memory_bytes
 
 
+# The gathered chunks may hold at most this share of the device budget (the rest: pins, gradients,
+# reductions in flight, prefetches).
+GATHERED_SHARE = 4
+
+
+def gathered_window(params, device_budget: int) -> int:
+    """How many gathered chunks stay on the device under N ranks (``ChunkGather.keep``): 3, or
+    as many as a quarter of the device budget holds. The chunks that end forward begin backward,
+    so a window that holds them saves their all-gathers again (DeepSpeed's max_live_parameters
+    does the same for ZeRO-3; FSDP2 keeps its root module only). It counts chunks, never ranks."""
+    whole = max((params.whole_numel(c) for c in range(params.layout.num_chunks)), default=1)
+    fits = device_budget // (GATHERED_SHARE * whole * params.dtype.itemsize)
+    return int(max(3, min(params.layout.num_chunks, fits)))
+
+
 def move_buffers(model: nn.Module, device: torch.device) -> None:
     """Buffers go to the compute device in the dtype the model made them: an fp32 ``inv_freq``
     in a bf16 run keeps RoPE exact at long positions (as HF loads keep it). A user who wants

@@ -103,7 +103,8 @@ class OffloadEngine:
 
             self.gather = ChunkGather(self.comms, self.store, tier=self.pins.tier, in_use=self.pins.pinned,
                                       wait_for_update=self.adam.wait_for, on_sent=self.updates.submit_if_ready,
-                                      prefetch=1 if config.prefetch_depth > 0 else 0)
+                                      prefetch=1 if config.prefetch_depth > 0 else 0,
+                                      keep=build.gathered_window(self.params, self.device_budget))
         self.ready = ReadyGradients(self.progress, self.updates, self.adam, self.pins, self.store, self.policy,
                                     self.prefetcher, holds=self.gather.holds if self.gather else None,
                                     on_compute=on_compute)

@@ -11,7 +11,10 @@ use, never beyond the budget. Pinned, the whole mapping is page-locked once, at 
 allocation (``cudaHostRegister`` with CUDA): registration populates it, and a chunk of any size
 may land anywhere in it, so it is registered whole rather than buffer by buffer — a
 register/unregister per buffer costs a page-table walk of MiBs each time, and freeing buffers of
-one size to make room for another did that dozens of times a step.
+one size to make room for another did that dozens of times a step. When the budget has the bytes
+but the arena no contiguous range for them and nothing can be evicted (every chunk pinned: under
+N ranks whole gathered chunks and 1/N pieces interleave), a buffer is taken outside the arena
+(``fits_outside_arena``): the budget still holds, only that buffer misses the arena.
 
 The device tier keeps freed buffers in a pool keyed by size (freshly touched pages cost ~40x
 more than reused ones; on a GPU a cudaMalloc is a synchronisation) and gives them back only when
@@ -77,6 +80,7 @@ class MemoryTier:
         self._largest_request = 0
         self._pinner = pinner
         self._unpin_at_exit = None
+        self._outside: set[int] = set()     # addresses of buffers taken outside a fragmented arena
 
     @property
     def reserved(self) -> int:
@@ -94,6 +98,11 @@ class MemoryTier:
         # In an arena the bytes must also be contiguous (evicting more makes them so).
         return self._extents is None or self._extents.largest() >= nbytes
 
+    def fits_outside_arena(self, nbytes: int) -> bool:
+        """The budget has ``nbytes`` free though the arena has no contiguous range for them: the
+        caller may allocate rather than fail (``allocate`` then goes outside the arena)."""
+        return self._extents is not None and self.in_use + nbytes <= self.budget
+
     def shortfall(self, nbytes: int) -> int:
         """Bytes to free before ``nbytes`` can be allocated: the missing budget, or in an arena with
         enough free bytes that are not contiguous, ``nbytes`` (freed victim by victim until it fits)."""
@@ -102,7 +111,7 @@ class MemoryTier:
     def allocate(self, nbytes: int, holders: Callable[[], str] = lambda: "") -> torch.Tensor:
         """A buffer of ``nbytes``; raises ``TierFullError`` if the budget cannot cover it. A reused
         device buffer may come with fences (``take_fences``) its new user must wait for."""
-        if not self.can_allocate(nbytes):
+        if not (self.can_allocate(nbytes) or self.fits_outside_arena(nbytes)):
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
         if self._extents is not None:
             buf = self._from_arena(nbytes)
@@ -124,6 +133,11 @@ class MemoryTier:
         events after which no GPU work queued so far uses it (device tiers only)."""
         nbytes = buf.numel()
         self.in_use -= nbytes
+        if self._outside:
+            address = buf.untyped_storage().data_ptr()
+            if address in self._outside:
+                self._outside.discard(address)
+                return          # dropped: its memory goes when its last view does
         if self._extents is not None:
             self._extents.free(buf.data_ptr() - self._base, nbytes)
             return
@@ -172,8 +186,12 @@ class MemoryTier:
         # The largest size seen (fp32 chunks) grows from the bottom, smaller ones from the top.
         self._largest_request = max(self._largest_request, nbytes)
         start = self._extents.allocate(nbytes, top=nbytes < self._largest_request)
-        if start is None:        # can_allocate said yes: only a bug gets here
-            raise TierFullError(self.name, self.budget, self.in_use, nbytes, "no contiguous free range")
+        if start is None:        # fragmented, nothing evictable (fits_outside_arena said yes)
+            from ..aio.buffers import aligned_empty
+
+            buf = aligned_empty(nbytes, torch.uint8, pin=self.pin)
+            self._outside.add(buf.untyped_storage().data_ptr())
+            return buf
         # A tensor of its own over the range (its storage starts there: the engine tells chunks
         # apart by storage address), keeping the mapping alive as long as it lives.
         return torch.frombuffer(self._mapping[start:start + nbytes], dtype=torch.uint8)

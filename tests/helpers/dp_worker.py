@@ -5,10 +5,11 @@ spec: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...Of
 "out": path prefix, "seed", "checkpointing", "backend", "set_device", "vocab", "freeze"}. Each
 rank trains TinyGPT (``vocab`` tokens: a large one makes the embedding an oversized chunk) on its
 1/N slice of the same global batches the single-process reference sees and writes
-``<out>.rank<r>.pt``: its per-step losses, its statistics, its engine's device, the chunk layout
-(``sizes``, ``slots``) and this rank's ``spans`` of it, the elements of Adam state it holds per
-trainable chunk (``adam_elems``: what its CPU Adam updates), the warnings wrap gave, and (every
-rank, through the collective state_dict) the final fp32 parameters.
+``<out>.rank<r>.pt``: its per-step losses, statistics and gradient norms (with ``clip``), its
+engine's device, the chunk layout (``sizes``, ``slots``) and this rank's ``spans`` of it, the
+elements of Adam state it holds per trainable chunk (``adam_elems``: what its CPU Adam updates),
+the warnings wrap gave, and (every rank, through the collective state_dict) the final fp32
+parameters.
 ``fail_at``: [rank, step] — that rank raises inside backward then. ``backend``: "gloo" (default)
 or "nccl" (a GPU per rank; ``set_device``: the worker makes cuda:LOCAL_RANK current itself, as
 torchrun scripts should, else the engine has to).
@@ -75,7 +76,7 @@ def main(spec: dict) -> None:
     fail_rank, fail_step = spec.get("fail_at") or (None, None)
     vocab = 256 if llama else spec.get("vocab", 64)
     data = iter(batches(spec["steps"] * accumulate, batch=spec.get("batch", 4), vocab=vocab))
-    losses, stats = [], []
+    losses, stats, norms = [], [], []
     preempt = None
     if spec.get("preempt_at"):
         def save():
@@ -112,6 +113,7 @@ def main(spec: dict) -> None:
         opt.zero_grad()
         losses.append(float(total))
         stats.append(model.offload_stats())
+        norms.append(opt.last_grad_norm)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     engine = model.offload_engine
     nvme = engine.store.tiers.get("nvme")
@@ -122,7 +124,7 @@ def main(spec: dict) -> None:
     for info in chunks.chunks():
         held = chunks.read("exp_avg", info.index) if "exp_avg" in info.kinds else None
         adam_elems[info.index] = None if held is None else held.numel()
-    torch.save({"losses": losses, "stats": stats, "state": state, "init_state": init_state, "step_count": engine.step_count,
+    torch.save({"losses": losses, "stats": stats, "grad_norms": norms, "state": state, "init_state": init_state, "step_count": engine.step_count,
                 "skipped": engine.scaler.skipped if engine.scaler is not None else 0,
                 "nvme_reserved": nvme.describe()["reserved"] if nvme is not None else 0,
                 "nvme_dirs": [str(d) for d in nvme.dirs] if nvme is not None else [],

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import offload
+from offload.tiers.nvme import SLOT_ALIGN      # NVMe slots start on whole 4 KiB blocks
 from tests.helpers.ranks import launch
 from tests.helpers.reference import LR, WD, mean_losses, run_reference
 from tests.helpers.tiny_gpt import TinyGPT, batches
@@ -29,7 +30,6 @@ from tests.helpers.trajectory import assert_losses_within_drift, assert_within_d
 
 pytestmark = pytest.mark.slow
 WORKER = "tests.helpers.dp_worker:main"
-SLOT_ALIGN = 4096       # NVMe slots start on 4 KiB boundaries (offload.tiers.nvme)
 # bf16 keeps 8 significant bits (eps 2^-7): ranks that sum half-batch gradients in another order
 # than one whole-batch backward differ from the mixed-precision reference by a few roundings of
 # each step's weights; 2e-2 on the loss is ~2.5 eps, what the one-process bf16 test allows too.
@@ -200,6 +200,9 @@ def test_max_grad_norm_clipping_uses_the_norm_of_all_ranks_pieces(tmp_path):
     want = Reference(8, clip=0.5, batch=6)
     out = run(tmp_path, 3, 8, clip=0.5, batch=6)
     want.check(out)
+    norms = [o["grad_norms"] for o in out]
+    assert norms[0] == norms[1] == norms[2], norms             # one all-reduced norm of all pieces
+    assert max(norms[0]) > 0.5, norms[0]                        # clipping was active
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):

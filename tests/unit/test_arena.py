@@ -65,3 +65,21 @@ def test_aligned_host_tier_carves_one_mapping():
     assert c.data_ptr() == a.data_ptr() and b.eq(2).all()
     assert tier.in_use == 3 * unit and tier.can_allocate(3 * unit)
     assert not tier.can_allocate(3 * unit + 1)
+
+
+def test_a_fragmented_arena_with_the_bytes_free_gives_a_buffer_outside_it_within_the_budget():
+    """Every chunk pinned (nothing to evict) and the free bytes in two holes: the budget still
+    covers the request, so it is served outside the arena instead of failing the step; freeing
+    it gives the bytes back to the budget, not to the arena's extents."""
+    tier = MemoryTier("cpu", 5 * 4096, aligned=True)
+    bufs = [tier.allocate(4096) for _ in range(5)]
+    tier.free(bufs[1])
+    tier.free(bufs[3])
+    assert not tier.can_allocate(8192) and tier.fits_outside_arena(8192)
+    big = tier.allocate(8192)
+    assert big.numel() == 8192 and big.data_ptr() % 4096 == 0      # O_DIRECT-able all the same
+    assert tier.in_use == 5 * 4096 and not tier.fits_outside_arena(1)
+    tier.free(big)
+    assert tier.in_use == 3 * 4096
+    assert tier.allocate(4096) is not None and tier.allocate(4096) is not None    # the holes, from the arena
+    assert not tier.fits_outside_arena(1)
