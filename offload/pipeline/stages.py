@@ -26,6 +26,7 @@ from .. import api
 from ..config import OffloadConfig
 from ..distributed import failure
 from ..errors import ConfigError, DistributedError
+from . import clip
 from .schedules import make_schedule, multi_stage
 
 
@@ -101,7 +102,8 @@ class StagedModel:
 
     def __init__(self, stage_modules: list[nn.Module], *, schedule: str, micro_batches: int,
                  config: OffloadConfig, micro_batch: tuple[int, int], mesh, loss_fn=None):
-        pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.pp_group = pp_group = mesh["pp"].get_group()
+        dp_group = mesh["dp"].get_group()
         self.pp, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         count = len(stage_modules)
         per_rank = count // self.pp
@@ -130,6 +132,11 @@ class StagedModel:
         for m in self.modules:
             yield from m.parameters()
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip this step's gradients to the whole model's L2 norm ``max_norm`` (every rank calls
+        it, between ``step()`` and ``optimizer.step()``); returns the norm before clipping."""
+        return clip.clip_grad_norm_([m.offload_engine for m in self.modules], max_norm, self.pp_group)
+
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> list | None:
         """One pipeline step over a global batch: forwards and backwards of its micro-batches as the
         schedule orders them. The first stage's rank passes ``input_ids``, the last stage's
@@ -143,6 +150,7 @@ class StagedModel:
             raise ConfigError("input_ids", None, f"pipeline rank {self.pp_rank} holds the first stage")
         if self.has_last and labels is None:
             raise ConfigError("labels", None, f"pipeline rank {self.pp_rank} holds the last stage")
+        clip.check_optimizer(m.offload_engine for m in self.modules)
         losses: list | None = [] if self.has_last else None
         args = (input_ids,) if self.has_first else ()
         try:

@@ -2,7 +2,7 @@
 
 spec: {"schedule", "pp", "dp", "micro_batches", "steps", "batch", "seq", "config": {...OffloadConfig},
 "model": "llama" (default: offload's preset) or "hf" (``tiny_hf``),
-"fail_at": [global rank, step] (that rank's last stage raises in its forward then), "timeout_s"}.
+"clip": max_norm (staged.clip_grad_norm_ every step), "fail_at": [global rank, step] (that rank's last stage raises in its forward then), "timeout_s"}.
 Every rank builds the preset tiny LLaMA (untied: pipeline stages refuse tied embeddings) from
 seed 0, cuts it into the schedule's stages (offload.pipeline.split_llama), keeps its own, and
 trains them with one offload.AdamW on the global batches of ``llama_batches`` (data-parallel rank
@@ -82,6 +82,8 @@ def main(spec: dict) -> dict:
     for x in llama_batches(spec["steps"], batch, seq):
         x = x[d::dp].contiguous()
         out = staged.step(x, x)
+        if spec.get("clip"):
+            staged.clip_grad_norm_(spec["clip"])
         opt.step()
         opt.zero_grad()
         losses.append(float(sum(loss.detach() for loss in out)) if out is not None else None)

@@ -27,13 +27,15 @@ def config(tmp: Path) -> dict:
                 nvme_paths=[str(tmp / "nvme-{rank}")], chunk_size=65536)
 
 
-def train_plain(model, steps: int = STEPS) -> tuple[list[float], dict]:
+def train_plain(model, steps: int = STEPS, clip: float | None = None) -> tuple[list[float], dict]:
     """One process of plain PyTorch (torch.optim.AdamW) on the whole global batches."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for x in llama_batches(steps, BATCH, SEQ):
         loss = causal_lm_loss(1)(model(x).logits, x)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -43,11 +45,11 @@ def train_plain(model, steps: int = STEPS) -> tuple[list[float], dict]:
 class Reference:
     """The same training in one process of plain PyTorch, in fp32 and in float64 (the exact run)."""
 
-    def __init__(self, make=tiny_llama):
+    def __init__(self, make=tiny_llama, clip=None):
         model = make()
         exact = float64_twin(model)
-        self.losses, self.state = train_plain(model)
-        self.exact_losses, self.exact_state = train_plain(exact)
+        self.losses, self.state = train_plain(model, clip=clip)
+        self.exact_losses, self.exact_state = train_plain(exact, clip=clip)
 
     def check(self, results) -> None:
         """The last stage's losses within 1e-5 of fp32 PyTorch's, and every parameter as close to
@@ -95,6 +97,16 @@ def test_an_hf_llama_in_two_stages_under_1f1b_trains_like_one_process(tmp_path):
     want.check(results)
     for r in results:
         assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
+
+
+def test_clipping_by_the_whole_models_norm_across_stages_is_torchs_clip(tmp_path):
+    """staged.clip_grad_norm_ sums the stages' squared norms over the pipeline ranks (each engine
+    alone knows only its stage's): the same updates as torch's clip over the whole model."""
+    want = Reference(clip=0.05)
+    results = run(tmp_path, "1f1b", clip=0.05)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
+    want.check(results)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
