@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..errors import ConfigError, UnsupportedError
 from .balance import cut
@@ -61,7 +62,9 @@ def plan(costs: list[int], stages: int) -> list[StageSpec]:
 
 
 class LlamaStage(nn.Module):
-    """Units ``[lo, hi)`` of an ``offload.models.LlamaForCausalLM``."""
+    """Units ``[lo, hi)`` of an ``offload.models.LlamaForCausalLM``. ``gradient_checkpointing``
+    (the model's setting when cut): recompute each decoder layer in backward, so a stage with
+    several micro-batches in flight keeps only each layer's input of each."""
 
     def __init__(self, model, spec: StageSpec):
         super().__init__()
@@ -69,6 +72,7 @@ class LlamaStage(nn.Module):
 
         self._rope = rope_tables
         self.cfg = model.config
+        self.gradient_checkpointing = model.gradient_checkpointing
         self.hidden_size, self.vocab_size = self.cfg.hidden_size, self.cfg.vocab_size
         self.is_first, self.is_last = spec.first, spec.last
         n = self.cfg.num_layers
@@ -82,8 +86,15 @@ class LlamaStage(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         cos, sin = self._rope(self.cfg, x.shape[1], x.device, x.dtype)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if recompute:
+                # no early stop: the engine matches every forward pre-hook of a recompute with its
+                # forward hook (as LlamaModel does)
+                with set_checkpoint_early_stop(False):
+                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x

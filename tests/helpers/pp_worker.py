@@ -2,7 +2,7 @@
 
 spec: {"schedule", "pp", "dp", "micro_batches", "steps", "batch", "seq", "config": {...OffloadConfig},
 "model": "llama" (default: offload's preset) or "hf" (``tiny_hf``),
-"clip": max_norm (staged.clip_grad_norm_ every step), "fail_at": [global rank, step] (that rank's last stage raises in its forward then), "timeout_s"}.
+"clip": max_norm (staged.clip_grad_norm_ every step), "checkpointing": recompute layers in backward, "fail_at": [global rank, step] (that rank's last stage raises in its forward then), "timeout_s"}.
 Every rank builds the preset tiny LLaMA (untied: pipeline stages refuse tied embeddings) from
 seed 0, cuts it into the schedule's stages (offload.pipeline.split_llama), keeps its own, and
 trains them with one offload.AdamW on the global batches of ``llama_batches`` (data-parallel rank
@@ -65,6 +65,8 @@ def main(spec: dict) -> dict:
     pp, dp, m = spec["pp"], spec.get("dp", 1), spec["micro_batches"]
     hf = spec.get("model") == "hf"
     model = tiny_hf() if hf else tiny_llama()
+    if spec.get("checkpointing"):
+        model.gradient_checkpointing = True
     names = {id(p): n for n, p in model.named_parameters()}
     mesh = pipeline_mesh(pp, dp)
     modules = (split_hf if hf else split_llama)(model, stage_count(spec["schedule"], pp))

@@ -99,6 +99,17 @@ def test_an_hf_llama_in_two_stages_under_1f1b_trains_like_one_process(tmp_path):
         assert all(moved.get("cpu->nvme", 0) > 0 for moved in r.value["moved"]), r.value["moved"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_stages_that_recompute_their_layers_in_backward_train_like_one_process(tmp_path, schedule):
+    """Activation checkpointing inside the stages: each layer's recompute pins its chunks again,
+    in the split backward's input pass and again in its weight pass."""
+    want = Reference()
+    results = run(tmp_path, schedule, checkpointing=True)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.output[-4000:]}"
+    want.check(results)
+
+
 def test_clipping_by_the_whole_models_norm_across_stages_is_torchs_clip(tmp_path):
     """staged.clip_grad_norm_ sums the stages' squared norms over the pipeline ranks (each engine
     alone knows only its stage's): the same updates as torch's clip over the whole model."""
