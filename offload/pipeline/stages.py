@@ -25,7 +25,7 @@ from torch import nn
 from .. import api
 from ..config import OffloadConfig
 from ..distributed import failure
-from ..errors import ConfigError, DistributedError
+from ..errors import ConfigError, DistributedError, UnsupportedError
 from . import clip
 from .schedules import make_schedule, multi_stage
 
@@ -102,6 +102,12 @@ class StagedModel:
 
     def __init__(self, stage_modules: list[nn.Module], *, schedule: str, micro_batches: int,
                  config: OffloadConfig, micro_batch: tuple[int, int], mesh, loss_fn=None):
+        if config.dtype == "fp16":
+            # Each engine scales the gradient flowing into its stage's outputs by its own loss scale
+            # and unscales only its own: a stage's input gradients, already scaled, would be scaled
+            # again by the stage before it.
+            raise UnsupportedError("OffloadConfig(dtype='fp16') under pipeline stages: each stage's loss scale "
+                                   "would compound with the next one's; use dtype='bf16' or 'fp32'")
         self.pp_group = pp_group = mesh["pp"].get_group()
         dp_group = mesh["dp"].get_group()
         self.pp, self.pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)

@@ -1,4 +1,4 @@
-"""Under pipeline stages an optimizer that clips each engine by its own stage's norm is refused."""
+"""Under pipeline stages: an optimizer that clips each engine by its own stage's norm, and fp16, are refused."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def test_an_optimizer_without_it_passes():
     offload.AdamW(model.parameters(), lr=1e-3)
     check_optimizer([model.offload_engine])
     assert model.offload_engine.optimizer.max_grad_norm is None
+
+
+def test_fp16_stages_are_refused_before_anything_is_built():
+    """Each stage's engine would scale the gradient into its outputs by its own loss scale."""
+    from offload.errors import UnsupportedError
+    from offload.pipeline import StagedModel
+
+    with pytest.raises(UnsupportedError, match="dtype='fp16'"):
+        StagedModel([], schedule="1f1b", micro_batches=2, config=offload.OffloadConfig(device="cpu", dtype="fp16"),
+                    micro_batch=(1, 4), mesh=None)
