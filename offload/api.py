@@ -24,7 +24,7 @@ from .optim.cpu_adam import CPUAdamW, scalar_dtype
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
+def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group=None) -> nn.Module:
     """Move ``model``'s parameters into offloaded chunks and install the engine's hooks.
 
     Returns the same module object. Its parameters keep their identity; their values now live in
@@ -32,6 +32,10 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     step; ``model.offload_engine`` is the engine itself. Under N ranks the model is marked as
     already data parallel, so HF Trainer and ``accelerate.prepare`` add no DDP
     (``offload.hf.accelerate_ranks``).
+
+    ``process_group``: the ranks that share this model's state (each keeps a 1/N piece of every
+    chunk). None: torch.distributed's default group (all ranks), as before. A pipeline stage
+    passes its data-parallel group (``offload.pipeline``); a group of one rank is a single process.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "expected a torch.nn.Module")
@@ -40,7 +44,7 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None) -> nn.Module:
     if config is None:
         record = lazy_record(model)
         config = record.config if record is not None and record.config is not None else OffloadConfig()
-    engine = OffloadEngine(model, config)
+    engine = OffloadEngine(model, config, process_group=process_group)
     chunks = engine.chunks
     original_state_dict = model.state_dict
     original_load = model.load_state_dict

@@ -19,10 +19,10 @@ from ..errors import ConfigError
 from .comms import collective_device
 
 
-def agreed_budgets(device_budget: int, cpu_budget: int) -> tuple[int, int]:
-    """The smallest ``(device_budget, cpu_budget)`` over all ranks."""
-    t = torch.tensor([device_budget, cpu_budget], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+def agreed_budgets(device_budget: int, cpu_budget: int, group=None) -> tuple[int, int]:
+    """The smallest ``(device_budget, cpu_budget)`` over the ranks of ``group`` (None: all)."""
+    t = torch.tensor([device_budget, cpu_budget], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t[0]), int(t[1])
 
 
@@ -33,14 +33,14 @@ def layout_digest(layout, dtype: torch.dtype) -> int:
     return int.from_bytes(h.digest()[:7], "little")      # fits an int64
 
 
-def check_same_layout(layout, dtype: torch.dtype) -> None:
-    """Raise on every rank when any rank built a different layout (another model, dtype,
-    frozen set or chunk size)."""
-    world = dist.get_world_size()
+def check_same_layout(layout, dtype: torch.dtype, group=None) -> None:
+    """Raise on every rank of ``group`` (None: all) when any of them built a different layout
+    (another model, dtype, frozen set or chunk size)."""
+    world = dist.get_world_size(group)
     mine = torch.tensor([layout_digest(layout, dtype), layout.num_chunks, layout.total_params],
-                        dtype=torch.int64, device=collective_device())
+                        dtype=torch.int64, device=collective_device(group))
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    dist.all_gather(every, mine, group=group)
     rows = [tuple(int(v) for v in t.cpu()) for t in every]
     if len(set(rows)) > 1:
         detail = ", ".join(f"rank {r}: {n} chunks, {p} parameters" for r, (_, n, p) in enumerate(rows))

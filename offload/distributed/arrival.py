@@ -61,8 +61,11 @@ def arrive(what: str, sharding) -> None:
     from . import failure
 
     store = distributed_c10d._get_default_store()
+    # One namespace per group: the data-parallel groups of pipeline stages count their calls apart.
+    namespace = PREFIX if sharding.group is None else \
+        f"{PREFIX}/{'-'.join(map(str, distributed_c10d.get_process_group_ranks(sharding.group)))}"
     wait_for(store, sharding.rank, sharding.world, what, timeout_s(),
-             gone=failure.exited_peer)
+             gone=failure.exited_peer, namespace=namespace)
 
 
 def wait_for(store, rank: int, world: int, what: str, timeout: float, *, gone=None,

@@ -37,19 +37,29 @@ class Sharding:
             raise ConfigError("rank", self.rank, f"must be in [0, {self.world})")
 
     @classmethod
-    def from_process_group(cls) -> "Sharding | None":
-        """The sharding of the initialised default process group, or None when there is no group
-        or it has a single rank (then the engine runs as a single process)."""
+    def from_process_group(cls, group=None) -> "Sharding | None":
+        """The sharding over process ``group`` (None: the initialised default group), or None when
+        there is no process group or ``group`` has a single rank (then the engine runs as a single
+        process). Under pipeline stages ``group`` is one stage's data-parallel group: ``rank`` and
+        ``world`` are within it, while ``local_rank`` and ``local_world`` stay the host's (its GPU,
+        its memory and cores are shared by every process on it, whatever their groups)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ConfigError("process_group", group, "was given but torch.distributed is not initialised")
             return None
-        world = dist.get_world_size()
+        world = dist.get_world_size(group)
         if world <= 1:
             return None
-        rank = dist.get_rank()
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        return cls(rank, world, local, local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ConfigError("process_group", group, f"does not contain this process (global rank "
+                                                      f"{dist.get_rank()})")
+        glob = dist.get_rank()
+        local = int(os.environ.get("LOCAL_RANK", glob))
+        return cls(rank, world, local, group=group,
+                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
 
     def piece_numel(self, numel: int) -> int:
         """Elements of each rank's piece of a chunk of ``numel`` elements."""

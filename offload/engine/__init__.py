@@ -47,6 +47,14 @@ A step through them reads like the paper, ``prefetch(j + 1); compute(j); evict(j
    statistics are taken (``StepStats``) and the window's gradients are consumed.
 
 Both orders of update give the same numbers.
+
+A pipeline schedule (``offload.pipeline``) runs several forwards before their backwards, and
+may split a backward in two (zero-bubble): ``engine.input_pass()`` around the input gradients
+(``autograd.grad`` by the stage's inputs: no parameter gets a gradient, so it is not one of the
+window's micro-batches) and ``engine.weight_pass()`` around the weight gradients (torch assigns
+them to ``.grad`` with no accumulation hook: they are captured when the pass ends, which ends
+the backward). The engine's data-parallel group is the default group or the one given to
+``offload.wrap(..., process_group=)`` (a stage's; a group of one rank is a single process).
 """
 
 from .engine import OffloadEngine

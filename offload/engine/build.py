@@ -14,7 +14,7 @@ from torch import nn
 from ..chunks import ChunkLayout, ChunkStore
 from ..chunks.layout import auto_max_chunk
 from ..config import CHUNK_QUANTUM, OffloadConfig
-from ..distributed import expand_rank
+from ..distributed import Sharding, expand_rank
 from ..distributed.agree import check_same_layout
 from ..errors import ConfigError
 from ..tiers import MemoryTier, NvmeTier
@@ -31,8 +31,10 @@ def collectives(sharding, streams: CopyStreams | None, device: torch.device):
     from ..distributed import failure
     from ..distributed.comms import Collectives, collective_device
 
-    failure.install(sharding.rank)
-    return Collectives(sharding, streams=streams, device=device), collective_device()
+    import torch.distributed as dist
+
+    failure.install(dist.get_rank())      # the store names ranks globally, whatever the group
+    return Collectives(sharding, streams=streams, device=device), collective_device(sharding.group)
 
 
 def copy_streams(device: torch.device) -> CopyStreams | None:
@@ -85,7 +87,7 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
                                max_chunk=auto_max_chunk(device_budget, cpu_budget),
                                frozen={n for n, p in named if not p.requires_grad})
     if sharding is not None:
-        check_same_layout(layout, dtype)
+        check_same_layout(layout, dtype, sharding.group)
     n, e = layout.chunk_size, dtype.itemsize
     need_device = min_device_bytes_sharded(n, e, layout.largest_chunk, sharding.world if sharding else 1)
     # The CPU Adam updates this rank's piece of a chunk at a time (the whole chunk in one process),
@@ -126,7 +128,10 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
                             pin=device.type == "cuda" and config.pin_memory)]
         aliases = None
     if config.nvme_paths is not None:
-        tiers.append(NvmeTier(expand_rank(config.nvme_paths, sharding), config.aio, prefix=prefix))
+        # Swap files are named by the process's rank in the default group: under pipeline stages two
+        # processes of different stages (each a group of its own) must not share them either.
+        files = Sharding.from_process_group() if sharding is None or sharding.group is not None else sharding
+        tiers.append(NvmeTier(expand_rank(config.nvme_paths, files), config.aio, prefix=prefix))
     return tiers, aliases
 
 

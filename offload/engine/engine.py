@@ -41,19 +41,23 @@ from .updates import ReadyGradients, UpdateQueue
 class OffloadEngine:
     """One wrapped model: its chunk layout and store, and the components of its training step."""
 
-    def __init__(self, model: nn.Module, config: OffloadConfig):
+    def __init__(self, model: nn.Module, config: OffloadConfig, *, process_group=None):
         self.model = model
         self.config = config
         # Under torchrun, this rank's own GPU (see compute_device): before anything touches CUDA.
         self.device = compute_device(config, [*model.parameters(), *model.buffers()])
         self.dtype = DTYPES[config.dtype]
         self.tracer = Tracer()
-        # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed).
-        self.dp = dp = Sharding.from_process_group()
-        budgets = resolve_budgets(config, self.device, dp.local_world if dp is not None else 1)
+        # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed):
+        # the default group, or the one given (a pipeline stage's data-parallel group).
+        self.dp = dp = Sharding.from_process_group(process_group)
+        # The processes on this host share its memory and cores whatever their groups (pipeline
+        # stages are groups of one rank each): the default group says how many there are.
+        host = dp if dp is not None and dp.group is None else Sharding.from_process_group()
+        budgets = resolve_budgets(config, self.device, host.local_world if host is not None else 1)
         self.device_budget, self.cpu_budget = budgets.device, budgets.cpu
         if dp is not None:      # the chunk size follows the budgets: every rank must build the same layout
-            self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget)
+            self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget, dp.group)
         lazy = lazy_record(model)
         named, shapes = build.offloaded_parameters(model, self.dtype, self.device, lazy)
         self.layout = build.build_layout(named, shapes, config, self.dtype, self.device_budget, self.cpu_budget, dp)
@@ -83,7 +87,7 @@ class OffloadEngine:
             p._offload_engine = weakref.ref(self)
 
         # The step's components.
-        self.adam = ChunkAdam(self.params, self.store, self.tracer, threads=build.optimizer_threads(config, dp),
+        self.adam = ChunkAdam(self.params, self.store, self.tracer, threads=build.optimizer_threads(config, host),
                               read_ahead=config.prefetch_depth, device=self.device, spills=self.spills)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.dtype == "fp16" else None
         self.prefetcher = TracePrefetcher(config.prefetch_depth)
@@ -158,6 +162,14 @@ class OffloadEngine:
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         self.hooks.register_external_parameter(module, param)
+
+    def input_pass(self):
+        """Context of a split backward's input pass (see ``ModuleHooks.input_pass``)."""
+        return self.hooks.input_pass()
+
+    def weight_pass(self):
+        """Context of a split backward's weight pass (see ``ModuleHooks.weight_pass``)."""
+        return self.hooks.weight_pass()
 
     # Where the step is, for checkpoints and clipping (see StepProgress).
     optimizer = property(lambda self: self.pipeline.optimizer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -63,6 +64,7 @@ class ModuleHooks:
         self.streams = streams
         self.timeline = timeline
         self.closed = False
+        self.splitting: str | None = None        # "input" / "weight": in a split backward's pass
         self._handles: list = []
         self._new_backward()
         self.install()
@@ -279,7 +281,7 @@ class ModuleHooks:
     # ---- backward ----------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module) -> None:
         if not self.progress.in_backward:
-            self.pipeline.begin_backward()
+            self.pipeline.begin_backward(input_only=self.splitting == "input")
             # Run once this backward ends. torch has no public API for it; FSDP2 and DDP use this one.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._pin_updated(self.module_chunks[module])
@@ -319,6 +321,51 @@ class ModuleHooks:
         self._unpin_all()
         self.pipeline.end_backward()
         self._new_backward()
+
+    # ---- a split backward (zero-bubble schedules) -------------------------------------------
+    @contextmanager
+    def input_pass(self):
+        """The first half of a split backward: ``torch.autograd.grad`` of the outputs by the inputs
+        only. No parameter gets a gradient, so it is not one of the window's micro-batches (the
+        window's last would otherwise end before its weight gradients came); its pins, and what
+        it unpacked, are let go when it ends (its end-of-backward callback, as for any backward)."""
+        if self.splitting is not None:
+            raise OffloadError(f"a split backward's input pass began inside its {self.splitting} pass")
+        self.splitting = "input"
+        try:
+            yield
+        finally:
+            self.splitting = None
+
+    @contextmanager
+    def weight_pass(self):
+        """The second half: ``torch.autograd.grad`` by the parameters, from the gradients the input
+        pass kept, then ``p.grad = dw`` (or ``+=``) -- no accumulation hook runs, so the gradients
+        are captured into their chunks here, when the pass is done, and the pass ends the
+        backward: one micro-batch of the window (the last one's updates may start). A pass that
+        runs a whole backward itself (torch's first stage) is captured by the hooks as usual."""
+        if self.splitting is not None:
+            raise OffloadError(f"a split backward's weight pass began inside its {self.splitting} pass")
+        if self.progress.in_backward and not autograd_running():
+            self.abort_backward()       # a backward raised: its end never ran
+        if not self.progress.in_backward:
+            self.pipeline.begin_backward()
+        self.splitting = "weight"
+        try:
+            yield
+        except BaseException:
+            self.splitting = None
+            self.abort_backward()
+            raise
+        self.splitting = None
+        try:
+            for p in self.params.params:
+                if p.requires_grad and p.grad is not None:
+                    self._on_grad(p)
+        except BaseException:
+            self.abort_backward()
+            raise
+        self._end_backward()
 
     def abort_backward(self) -> None:
         """A backward raised, so its end-of-backward callback never ran: release what it held.

@@ -116,9 +116,14 @@ class StepPipeline:
             self.gather.drop_all()
 
     # ---- each backward ----------------------------------------------------------------------
-    def begin_backward(self) -> None:
+    def begin_backward(self, *, input_only: bool = False) -> None:
+        """A backward begins; ``input_only``: a split backward's input pass (``ModuleHooks.input_pass``),
+        which gives no parameter a gradient: it neither ends the window nor updates anything."""
         p = self.progress
         p.in_backward = True
+        if input_only:
+            p.input_only = True
+            return
         p.final_micro_batch = p.micro_batches + 1 >= self.config.gradient_accumulation_steps
         p.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
                    and not self.optimizer.defers_update() and p.final_micro_batch)
@@ -129,6 +134,9 @@ class StepPipeline:
     def end_backward(self) -> None:
         """After the gradients are captured and the pins let go: queue what waits, in the order
         the next forward uses the chunks."""
+        if self.progress.input_only:        # its micro-batch ends with its weight pass
+            self.progress.new_backward()
+            return
         if self.progress.final_micro_batch:
             self.drop_gathered()        # the ranks update their pieces now
         self.updates.submit_waiting()

@@ -35,3 +35,6 @@ class StepProgress:
         self.in_backward = False
         self.eager = False                  # updates run as gradient chunks complete (pipeline)
         self.final_micro_batch = False      # the backward running ends the window (pipeline)
+        # The backward running is a split backward's input pass: input gradients only, no
+        # parameter's, so not one of the window's micro-batches (hooks.input_pass, pipeline).
+        self.input_only = False

@@ -1,0 +1,165 @@
+"""Cut a causal LM into pipeline stages by layer: each stage a module of its own.
+
+A model is seen as a chain of *units*: the token embedding, each decoder layer, then the final
+norm with the LM head. ``split_llama`` / ``split_hf`` cut the chain into ``stages`` contiguous
+runs balanced by parameter count (``balance.cut``) and return one ``nn.Module`` per stage,
+built from the model's own submodules (the same parameter objects, so a model initialised or
+loaded once is cut without copying). Stage ``s`` maps what stage ``s - 1`` returned (token ids
+for the first) to hidden states, or to logits for the last; the rotary tables are recomputed per
+stage (cheap, and only hidden states cross between stages, as in Megatron and torchtitan).
+
+Tied input and output embeddings are refused: the embedding would live on the first and the last
+stage, and its two gradients would have to be summed across them every step (Megatron's
+embedding group), which the stages' engines do not do yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from ..errors import ConfigError, UnsupportedError
+from .balance import cut
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Stage ``index`` of ``count``: units ``[lo, hi)`` of the model's chain."""
+
+    index: int
+    count: int
+    lo: int
+    hi: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def _params(*modules) -> int:
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+
+def _refuse_tied(embed: nn.Module, head: nn.Module) -> None:
+    if head.weight is embed.weight:
+        raise UnsupportedError(
+            "the model ties its LM head to its input embedding (tie_embeddings / tie_word_embeddings): "
+            "pipeline stages hold them on the first and the last stage, whose gradients are not summed "
+            "yet; build the model untied (LlamaConfig.replace(tie_embeddings=False), or "
+            "tie_word_embeddings=False for an HF config) to cut it into stages")
+
+
+def plan(costs: list[int], stages: int) -> list[StageSpec]:
+    """The stages of a chain of units with ``costs`` (parameters), balanced."""
+    return [StageSpec(i, stages, lo, hi) for i, (lo, hi) in enumerate(cut(costs, stages))]
+
+
+class LlamaStage(nn.Module):
+    """Units ``[lo, hi)`` of an ``offload.models.LlamaForCausalLM``. ``gradient_checkpointing``
+    (the model's setting when cut): recompute each decoder layer in backward, so a stage with
+    several micro-batches in flight keeps only each layer's input of each."""
+
+    def __init__(self, model, spec: StageSpec):
+        super().__init__()
+        from ..models.llama import rope_tables
+
+        self._rope = rope_tables
+        self.cfg = model.config
+        self.gradient_checkpointing = model.gradient_checkpointing
+        self.hidden_size, self.vocab_size = self.cfg.hidden_size, self.cfg.vocab_size
+        self.is_first, self.is_last = spec.first, spec.last
+        n = self.cfg.num_layers
+        self.embed_tokens = model.model.embed_tokens if spec.lo == 0 else None
+        self.layers = nn.ModuleList(model.model.layers[max(spec.lo - 1, 0):min(spec.hi - 1, n)])
+        last = spec.hi == n + 2
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        cos, sin = self._rope(self.cfg, x.shape[1], x.device, x.dtype)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                # no early stop: the engine matches every forward pre-hook of a recompute with its
+                # forward hook (as LlamaModel does)
+                with set_checkpoint_early_stop(False):
+                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def split_llama(model, stages: int) -> list[LlamaStage]:
+    """``offload.models.LlamaForCausalLM`` cut into ``stages`` balanced stage modules."""
+    m = model.model
+    _refuse_tied(m.embed_tokens, model.lm_head)
+    costs = [_params(m.embed_tokens), *(_params(layer) for layer in m.layers), _params(m.norm, model.lm_head)]
+    return [LlamaStage(model, spec) for spec in plan(costs, stages)]
+
+
+class HFStage(nn.Module):
+    """Units ``[lo, hi)`` of an HF causal LM of the LLaMA family (``model.model.embed_tokens``,
+    ``.layers``, ``.norm``, ``.rotary_emb``, ``model.lm_head``: Llama, Mistral, Qwen2, ...).
+    Attention is causal over the whole micro-batch (no padding mask: pipeline micro-batches are
+    packed sequences): SDPA and flash attention are causal without a mask, the eager one is
+    given an additive causal mask."""
+
+    def __init__(self, model, spec: StageSpec):
+        super().__init__()
+        inner = model.model
+        self.hidden_size, self.vocab_size = model.config.hidden_size, model.config.vocab_size
+        self.is_first, self.is_last = spec.first, spec.last
+        n = len(inner.layers)
+        self.embed_tokens = inner.embed_tokens if spec.lo == 0 else None
+        self.rotary_emb = inner.rotary_emb
+        self.layers = nn.ModuleList(inner.layers[max(spec.lo - 1, 0):min(spec.hi - 1, n)])
+        last = spec.hi == n + 2
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.mask_free = impl == "sdpa" or impl.startswith("flash")
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.mask_free:
+            return None
+        t = x.shape[1]
+        above = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        return torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(above, torch.finfo(x.dtype).min)[None, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rope = self.rotary_emb(x, positions)
+        mask = self._mask(x)
+        for layer in self.layers:
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            x = out[0] if isinstance(out, tuple) else out
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def split_hf(model, stages: int) -> list[HFStage]:
+    """An HF causal LM of the LLaMA family cut into ``stages`` balanced stage modules."""
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(model, "lm_head"):
+        raise ConfigError("model", type(model).__name__,
+                          "is not an HF causal LM of the LLaMA family (model.model.embed_tokens, .layers, "
+                          ".norm, .rotary_emb and model.lm_head)")
+    _refuse_tied(inner.embed_tokens, model.lm_head)
+    costs = [_params(inner.embed_tokens), *(_params(layer) for layer in inner.layers),
+             _params(inner.norm, model.lm_head)]
+    return [HFStage(model, spec) for spec in plan(costs, stages)]

@@ -1,0 +1,40 @@
+"""HF causal LMs of the LLaMA family cut into pipeline stages: the stages chain to the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload.errors import ConfigError, UnsupportedError
+from offload.pipeline import split_hf
+
+transformers = pytest.importorskip("transformers")
+
+from tests.helpers.hf_models import tiny_config  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_hf_stages_chain_to_the_whole_model(arch, stages, attention):
+    """Causal under either attention (eager's is causal only by its mask)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(arch, num_hidden_layers=3, tie_word_embeddings=False), attn_implementation=attention).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    want = model(ids).logits
+    x = ids
+    modules = split_hf(model, stages)
+    for m in modules:
+        x = m(x)
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    assert sorted(id(p) for m in modules for p in m.parameters()) == sorted(id(p) for p in model.parameters())
+
+
+def test_tied_hf_models_and_other_families_are_refused():
+    tied = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True))
+    with pytest.raises(UnsupportedError, match="tie_word_embeddings=False"):
+        split_hf(tied, 2)
+    gpt2 = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+    with pytest.raises(ConfigError, match="LLaMA family"):
+        split_hf(gpt2, 2)
