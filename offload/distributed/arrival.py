@@ -20,6 +20,7 @@ its key so that the sequence numbers stay aligned (ranks in two different calls 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from ..errors import DistributedError, OffloadError
@@ -27,6 +28,9 @@ from ..errors import DistributedError, OffloadError
 PREFIX = "offload/arrival"
 TIMEOUT_ENV = "OFFLOAD_ARRIVAL_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+# After this long without every rank in, the waiting rank says so once: the timeout is long (a
+# peer may be finishing a slow step), and a silent wait that long reads as a hang.
+WAIT_NOTE_S = 10.0
 HINT = "under several ranks it is a collective: call it on every rank"
 HF_HINT = ("; HF Trainer.save_model and save_pretrained call it on rank 0 alone: set save_strategy=\"no\" "
            "and call offload.hf.export_pretrained(model, dir) or offload.save_checkpoint on every rank")
@@ -69,11 +73,12 @@ def arrive(what: str, sharding) -> None:
 
 
 def wait_for(store, rank: int, world: int, what: str, timeout: float, *, gone=None,
-             namespace: str = PREFIX) -> None:
+             namespace: str = PREFIX, note_after: float = WAIT_NOTE_S) -> None:
     """The rendezvous over ``store`` (``arrive`` without a process group, for tests): ``gone()``
     gives ``(rank, why)`` of a peer known to have failed or exited, else ``(None, "")``. Each rank
     polls one counter (backing off to 0.2 s), so the store's load does not grow with N squared;
-    the names are read once, when everyone is in (or when giving up)."""
+    the names are read once, when everyone is in (or when giving up). After ``note_after``
+    seconds it says once on stderr which ranks it waits for."""
     seq = _sequence.get((namespace, rank), 0)
     key = f"{namespace}/{seq}"
     mine, count = f"{key}/{rank}", f"{key}/count"
@@ -82,8 +87,14 @@ def wait_for(store, rank: int, world: int, what: str, timeout: float, *, gone=No
     peers = [r for r in range(world) if r != rank]
     deadline = time.monotonic() + timeout
     checked_gone, poll = time.monotonic(), 0.002
+    note_at = time.monotonic() + note_after
     while arrived < world:
         now = time.monotonic()
+        if now > note_at:
+            note_at = float("inf")
+            missing = ", ".join(f"rank {r}" for r in peers if not store.check([f"{key}/{r}"]))
+            print(f"offload: rank {rank} waits in {what} for {missing or 'the other ranks'}: {HINT} "
+                  f"(gives up after {timeout:g} s, {TIMEOUT_ENV})", file=sys.stderr, flush=True)
         if gone is not None and now - checked_gone > 1.0:
             checked_gone = now
             failed, why = gone()

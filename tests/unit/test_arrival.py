@@ -66,3 +66,14 @@ def test_ranks_in_different_whole_model_calls_both_stop():
     errors = _ranks(store, [("state_dict", 0.0), ("load_state_dict", 0.0)], "ns-mixed")
     assert sorted(errors) == [0, 1]
     assert "rank 1 called load_state_dict instead" in str(errors[0])
+
+
+def test_a_long_wait_is_said_once_naming_the_missing_rank(capsys):
+    """A whole-model call on rank 0 alone waits out a long timeout: after note_after seconds it
+    says once, on stderr, whom it waits for and why (review of issue 27, R8)."""
+    store = dist.HashStore()
+    with pytest.raises(MissingRank):
+        wait_for(store, 0, 2, "state_dict", 0.6, namespace="ns-note", note_after=0.1)
+    err = capsys.readouterr().err
+    assert err.count("offload: rank 0 waits in state_dict for rank 1") == 1, err
+    assert "call it on every rank" in err and "OFFLOAD_ARRIVAL_TIMEOUT_S" in err
