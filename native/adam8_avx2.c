@@ -11,8 +11,7 @@
 #include <immintrin.h>
 
 #include "adam8_internal.h"
-
-#define INLINE static inline __attribute__((always_inline))
+#include "simd_avx2.h"
 
 INLINE __m256 widen(__m128i h, int dtype)
 {
@@ -22,20 +21,6 @@ INLINE __m256 widen(__m128i h, int dtype)
 }
 
 /* Eight 32-bit lanes holding 16-bit values -> eight uint16. */
-INLINE __m128i pack16(__m256i r)
-{
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-
-INLINE __m128i to_bf16(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return pack16(_mm256_blendv_epi8(r, q, nan));
-}
 
 INLINE __m256i mix32(__m256i x)
 {

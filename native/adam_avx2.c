@@ -11,8 +11,7 @@
 #include <immintrin.h>
 
 #include "adam_internal.h"
-
-#define INLINE static inline __attribute__((always_inline))
+#include "simd_avx2.h"
 
 INLINE __m256 load_grad(const void *grad, int dtype, long long i)
 {
@@ -23,19 +22,6 @@ INLINE __m256 load_grad(const void *grad, int dtype, long long i)
     if (dtype == OFF_DTYPE_FP16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)grad + i)));
     return _mm256_loadu_ps((const float *)grad + i);
-}
-
-/* Round to nearest even with NaN kept a NaN: off__f32_to_bf16, eight at a time. */
-INLINE __m128i to_bf16(__m256 x)
-{
-    __m256i u = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, q, nan);
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    return _mm256_castsi256_si128(packed);
 }
 
 INLINE void step8(const off__adam_consts *c, float *param, const void *grad, int grad_dtype,
