@@ -246,6 +246,19 @@ static void quant_task(void *arg, int index, int count)
     }
 }
 
+/* The arguments of (de)quantize: -EINVAL when bad, 0 when there is nothing to do, else 1. */
+static int check_quant_args(int map, const float *x, const unsigned char *codes, const float *absmax,
+                            long long block, long long n)
+{
+    if ((map != OFF_QMAP_SIGNED && map != OFF_QMAP_UNSIGNED) || n < 0 || bad_block(block))
+        return -EINVAL;
+    if (n == 0)
+        return 0;
+    if (!x || !codes || !absmax || misaligned(x, 4) || misaligned(absmax, 4))
+        return -EINVAL;
+    return 1;
+}
+
 OFF_EXPORT int off_blockwise_quantize(int level, int map, const float *x, unsigned char *codes,
                                       float *absmax, long long block, long long n, int threads)
 {
@@ -254,12 +267,9 @@ OFF_EXPORT int off_blockwise_quantize(int level, int map, const float *x, unsign
     int rc = check_level8(level);
     if (rc < 0)
         return rc;
-    if ((map != OFF_QMAP_SIGNED && map != OFF_QMAP_UNSIGNED) || n < 0 || bad_block(block))
-        return -EINVAL;
-    if (n == 0)
-        return 0;
-    if (!x || !codes || !absmax || misaligned(x, 4) || misaligned(absmax, 4))
-        return -EINVAL;
+    rc = check_quant_args(map, x, codes, absmax, block, n);
+    if (rc <= 0)
+        return rc;
     struct quant_job job = {kernels[level].quant, map, x, codes, absmax, block, n};
     off__pool_run(quant_task, &job, off__thread_count(n, threads));
     return 0;
@@ -268,12 +278,9 @@ OFF_EXPORT int off_blockwise_quantize(int level, int map, const float *x, unsign
 OFF_EXPORT int off_blockwise_dequantize(int map, const unsigned char *codes, const float *absmax,
                                         long long block, float *x, long long n)
 {
-    if ((map != OFF_QMAP_SIGNED && map != OFF_QMAP_UNSIGNED) || n < 0 || bad_block(block))
-        return -EINVAL;
-    if (n == 0)
-        return 0;
-    if (!x || !codes || !absmax || misaligned(x, 4) || misaligned(absmax, 4))
-        return -EINVAL;
+    int rc = check_quant_args(map, x, codes, absmax, block, n);
+    if (rc <= 0)
+        return rc;
     const float *v = off__qt.values[map];
     for (long long i = 0; i < n; i++)
         x[i] = v[codes[i]] * absmax[i / block];
