@@ -190,6 +190,21 @@ def rope_tables(cfg: LlamaConfig, seq_len: int, device, dtype) -> tuple[torch.Te
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, recompute: bool) -> torch.Tensor:
+    """``x`` through decoder ``layers`` in turn; ``recompute``: each under activation checkpointing
+    (its input kept, the rest recomputed in backward). ``LlamaModel`` and pipeline stages run theirs
+    with it."""
+    for layer in layers:
+        if recompute:
+            # no early stop: the recompute runs each layer to its end, so every forward
+            # pre-hook the engine sees in backward is matched by a forward hook
+            with set_checkpoint_early_stop(False):
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+        else:
+            x = layer(x, cos, sin)
+    return x
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -256,15 +271,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rope_tables(self.cfg, input_ids.shape[1], x.device, x.dtype)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if recompute:
-                # no early stop: the recompute runs each layer to its end, so every forward
-                # pre-hook the engine sees in backward is matched by a forward hook
-                with set_checkpoint_early_stop(False):
-                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, cos, sin, recompute=recompute))
 
 
 class CausalLMOutput(NamedTuple):

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ..errors import ConfigError, UnsupportedError
 from .balance import cut
@@ -68,9 +67,9 @@ class LlamaStage(nn.Module):
 
     def __init__(self, model, spec: StageSpec):
         super().__init__()
-        from ..models.llama import rope_tables
+        from ..models.llama import rope_tables, run_layers
 
-        self._rope = rope_tables
+        self._rope, self._run_layers = rope_tables, run_layers
         self.cfg = model.config
         self.gradient_checkpointing = model.gradient_checkpointing
         self.hidden_size, self.vocab_size = self.cfg.hidden_size, self.cfg.vocab_size
@@ -87,14 +86,7 @@ class LlamaStage(nn.Module):
             x = self.embed_tokens(x)
         cos, sin = self._rope(self.cfg, x.shape[1], x.device, x.dtype)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
-            if recompute:
-                # no early stop: the engine matches every forward pre-hook of a recompute with its
-                # forward hook (as LlamaModel does)
-                with set_checkpoint_early_stop(False):
-                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+        x = self._run_layers(self.layers, x, cos, sin, recompute=recompute)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
