@@ -24,7 +24,6 @@ import torch
 from ..distributed.arrival import arrive
 from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
-from ..tiers.nvme import SLOT_ALIGN
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
 from .entries import Empty, RankPieces, Written, merge, saved_bytes
 from .format import (FORMAT, LATEST, MANIFEST, SLICED_VERSION, VERSION, checksum,
@@ -169,10 +168,10 @@ def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
     items = [(kind, info) for kind in kinds for info in chunks.chunks()
              if kind in info.kinds and _stored(info)[0] < _stored(info)[1]]
     written: RankPieces = {kind: {} for kind in kinds}
-    # A piece read straight from NVMe is read in whole O_DIRECT blocks: its tail past the span
-    # lands in the buffer too (a 1/N piece need not end on a block).
+    # chunks.staging gives whole O_DIRECT blocks: a piece read straight from NVMe brings its tail past
+    # the span too (a 1/N piece need not end on a block).
     span_bytes = max(((info.span[1] - info.span[0]) * kinds[kind].itemsize for kind, info in items), default=0)
-    bufs = chunks.staging(-(-span_bytes // SLOT_ALIGN) * SLOT_ALIGN, count=2)
+    bufs = chunks.staging(span_bytes, count=2)
     writers: dict[str, KindWriter] = {}
 
     def fetch(i):

@@ -17,7 +17,6 @@ import torch
 from ..chunks.access import ChunkAccess, ChunkInfo
 from ..chunks.layout import ParamSlot
 from ..errors import StateError
-from ..tiers.nvme import SLOT_ALIGN
 
 
 def overlap(slot: ParamSlot, span: tuple[int, int]) -> tuple[int, int, int] | None:
@@ -30,10 +29,9 @@ def overlap(slot: ParamSlot, span: tuple[int, int]) -> tuple[int, int, int] | No
 
 
 def piece_staging(chunks: ChunkAccess, nbytes: int) -> torch.Tensor:
-    """A ``chunks.staging`` buffer to ``read`` pieces of up to ``nbytes`` bytes into, rounded up to
-    whole NVMe blocks: a piece read straight from NVMe fills its whole slot, and a 1/N piece need
-    not end on a block."""
-    return chunks.staging(-(-nbytes // SLOT_ALIGN) * SLOT_ALIGN)[0]
+    """A ``chunks.staging`` buffer to ``read`` pieces of up to ``nbytes`` bytes into (staging gives
+    whole NVMe blocks: a piece read straight from NVMe fills its whole slot)."""
+    return chunks.staging(nbytes)[0]
 
 
 def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], staging: dict) -> torch.Tensor:
