@@ -46,6 +46,13 @@ def _params(*modules) -> int:
     return sum(p.numel() for m in modules if m is not None for p in m.parameters())
 
 
+def _full_names(model: nn.Module, stage: nn.Module) -> dict[str, str]:
+    """``{name in the stage: name in the whole model}`` of the stage's parameters (the same
+    objects): what a checkpoint records, so that another cut finds each parameter by name."""
+    whole = {id(p): n for n, p in model.named_parameters()}
+    return {n: whole[id(p)] for n, p in stage.named_parameters()}
+
+
 def _refuse_tied(embed: nn.Module, head: nn.Module) -> None:
     if head.weight is embed.weight:
         raise UnsupportedError(
@@ -80,6 +87,8 @@ class LlamaStage(nn.Module):
         last = spec.hi == n + 2
         self.norm = model.model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.units = (spec.lo, spec.hi)
+        self.full_names = _full_names(model, self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -119,6 +128,8 @@ class HFStage(nn.Module):
         last = spec.hi == n + 2
         self.norm = inner.norm if last else None
         self.lm_head = model.lm_head if last else None
+        self.units = (spec.lo, spec.hi)
+        self.full_names = _full_names(model, self)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.mask_free = impl == "sdpa" or impl.startswith("flash")
 

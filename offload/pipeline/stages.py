@@ -120,6 +120,11 @@ class StagedModel:
                               f"(offload.pipeline.stage_count)")
         self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches)
         self.micro_batches = micro_batches
+        self.schedule_name, self.dp = schedule, dist.get_world_size(dp_group)
+        # every stage's units and parameter names (split_llama / split_hf record them): what a
+        # checkpoint's manifest says each stage holds
+        self.stage_units = [getattr(m, "units", None) for m in stage_modules]
+        self.stage_names = [getattr(m, "full_names", None) for m in stage_modules]
         self.indices = list(range(self.pp_rank, count, self.pp))
         failure.install(dist.get_rank())        # a rank that fails names itself to the others
         self.modules = [api.wrap(stage_modules[s], self.config, process_group=dp_group) for s in self.indices]
@@ -133,6 +138,16 @@ class StagedModel:
         self.has_last = count - 1 in self.indices
         self.schedule = make_schedule(schedule, self.stages, micro_batches,
                                       loss_fn if loss_fn is not None else causal_lm_loss(micro_batches))
+
+    def targets(self) -> list:
+        """This rank's stages as ``offload.pipeline.checkpoint.Target``s (what a resume loads into)."""
+        from .checkpoint import Target
+
+        return [Target(s, len(self.stage_names), m, self.stage_names[s]) for s, m in zip(self.indices, self.modules)]
+
+    def offload_stats(self) -> list[dict]:
+        """Each of this rank's stages' ``offload_stats()`` (the engines' last step), in stage order."""
+        return [m.offload_stats() for m in self.modules]
 
     def parameters(self):
         for m in self.modules:
