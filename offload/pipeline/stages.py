@@ -149,6 +149,11 @@ class StagedModel:
         """Each of this rank's stages' ``offload_stats()`` (the engines' last step), in stage order."""
         return [m.offload_stats() for m in self.modules]
 
+    def train(self, mode: bool = True) -> "StagedModel":
+        for m in self.modules:
+            m.train(mode)
+        return self
+
     def parameters(self):
         for m in self.modules:
             yield from m.parameters()

@@ -67,10 +67,19 @@ class CheckpointManager:
         return f"checkpoints: {self.directory} ({', '.join(when)})"
 
     def found(self) -> bool:
-        """There is a checkpoint to resume from."""
-        from ..checkpoint import list_checkpoints
+        """There is a checkpoint to resume from (an engine's, or a pipeline run's)."""
+        from ..pipeline.checkpoint import list_any
 
-        return bool(list_checkpoints(self.directory))
+        return bool(list_any(self.directory))
+
+    def resumes_pipeline(self) -> bool:
+        """--resume loads a pipeline run's checkpoint (``offload.pipeline.checkpoint``)."""
+        if not self.resuming():
+            return False
+        from ..pipeline.checkpoint import is_pipeline, newest
+
+        ckpt = newest(self.directory)
+        return ckpt is not None and is_pipeline(ckpt)
 
     def resuming(self) -> bool:
         """--resume and a checkpoint exists (else the run starts fresh)."""
@@ -81,21 +90,38 @@ class CheckpointManager:
         model is built with it, so a checkpoint resumes under other budgets."""
         if not self.resuming():
             return None
+        if self.resumes_pipeline():
+            from ..pipeline.checkpoint import saved_chunk_size as pipeline_chunk_size
+
+            return pipeline_chunk_size(self.directory)
         from ..checkpoint import saved_chunk_size
 
         return saved_chunk_size(self.directory)
 
-    def restore(self, model, optimizer, scheduler, batches) -> int:
+    def restore(self, model, optimizer, scheduler, batches, aliases: dict | None = None) -> int:
         """Load the latest checkpoint that verifies into the run (--resume); returns the step to
-        go on from (0: fresh, said so when --resume found nothing)."""
+        go on from (0: fresh, said so when --resume found nothing). A pipeline run's checkpoint,
+        or any checkpoint into pipeline stages (``model`` a ``StagedModel``), loads by
+        ``offload.pipeline.checkpoint`` (resharded by layer when the cut differs; ``aliases``:
+        a parameter read under another saved name). A checkpoint that does not verify is then
+        an error (no fallback to an older one)."""
         if not self.resume_asked:
             return 0
         if not self.found():
             self.say(f"finetune: no checkpoint in {self.directory} yet: starting from step 0")
             return 0
-        from ..checkpoint import resume
+        targets = getattr(model, "targets", None)
+        if targets is not None or self.resumes_pipeline():
+            from ..pipeline.checkpoint import Target, load_pipeline_checkpoint
 
-        manifest = resume(model, optimizer, self.directory, say=lambda m: self.say(f"finetune: {m}"))
+            manifest = load_pipeline_checkpoint(targets() if targets is not None else [Target(0, 1, model)],
+                                                optimizer, self.directory, aliases=aliases)
+            if manifest["resharded"]:
+                self.say(f"finetune: {manifest['path']} resharded by layer into this run's layout")
+        else:
+            from ..checkpoint import resume
+
+            manifest = resume(model, optimizer, self.directory, say=lambda m: self.say(f"finetune: {m}"))
         extra = manifest["extra"]
         start = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
@@ -120,11 +146,11 @@ class CheckpointManager:
         chunks); nothing when that step is already saved (a preemption right after a save)."""
         if self.saved_step == done:
             return None
-        from ..checkpoint import save_checkpoint
-
-        path = save_checkpoint(model, optimizer, self.directory, step=done,
-                               extra={"step": done, "scheduler": scheduler.state_dict(),
-                                      "data": batches.state(), "rng": rng_state()},
-                               keep=self.keep)
+        extra = {"step": done, "scheduler": scheduler.state_dict(), "data": batches.state(), "rng": rng_state()}
+        if hasattr(model, "targets"):           # pipeline stages
+            from ..pipeline.checkpoint import save_pipeline_checkpoint as save
+        else:
+            from ..checkpoint import save_checkpoint as save
+        path = save(model, optimizer, self.directory, step=done, extra=extra, keep=self.keep)
         self.saved_step = done
         return path

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(config, ranks: Ranks) -> int:
     """Run ``config`` on this rank: join the ranks, train, leave."""
+    from .pipelined import PipelineTrainer
     from .trainer import Trainer
 
     if ranks.many:
@@ -87,7 +88,7 @@ def execute(config, ranks: Ranks) -> int:
         warnings.simplefilter("ignore")     # rank 0 shows the same ones: one log for the run
     clean = False
     try:
-        code = Trainer(config, ranks).train()
+        code = (PipelineTrainer if config.parallel.pp > 1 else Trainer)(config, ranks).train()
         clean = True
         return code
     except BaseException as exc:

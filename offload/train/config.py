@@ -37,6 +37,9 @@ from ..plan.defaults import BATCH_TOKENS, SEQ_LEN   # the one place `offload pla
 DTYPES = ("bf16", "fp16", "fp32")
 PRESETS = ("tiny", "small", "1b", "7b", "13b", "70b", "100b")
 DATA_FORMATS = ("auto", "text", "jsonl", "json")
+# offload.pipeline.SCHEDULES' names (tests/unit/test_pipeline_trainer.py keeps them alike): importing
+# the pipeline package here would import torch for --help
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble")
 # The corpus shipped in a source checkout (scripts/data/), used when no --data is given.
 SHIPPED_CORPUS = Path(__file__).resolve().parents[2] / "scripts" / "data" / "corpus.txt"
 
@@ -133,7 +136,13 @@ class ParallelConfig:
     """How a step is split. The ranks themselves come from torchrun (RANK, WORLD_SIZE, ...)."""
     micro_batches: int | None = option(None, "gradient accumulation: forward/backward passes per step, dividing "
                                              "its sequences (each rank's share under torchrun; default: the "
-                                             "planner's choice, 1 with --no-plan)", check=positive_int)
+                                             "planner's choice, 1 with --no-plan); under --pp the pipeline's "
+                                             "micro-batches per step of each data-parallel rank (default --pp)",
+                                       check=positive_int)
+    pp: int = option(1, "pipeline stages over the ranks under torchrun: the model is cut by layer into stages, "
+                        "world = pp x dp (1: no pipeline)", check=positive_int, metavar="P")
+    schedule: str = option("1f1b", "the pipeline schedule under --pp: " + ", ".join(SCHEDULES),
+                           check=choice(SCHEDULES), metavar="NAME")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .config import TrainConfig
+from .pipeline_checks import check_pipeline, data_world, micro_batches
 from .ranks import Ranks
 
 
@@ -35,16 +36,19 @@ def check_config(config: TrainConfig, ranks: Ranks = Ranks()) -> None:
         raise ConfigError("--save-every", o.save_every, "needs --output")
     if d.batch_tokens < d.seq_len:
         raise ConfigError("--batch-tokens", d.batch_tokens, f"must be >= --seq-len ({d.seq_len})")
+    check_pipeline(config, ranks.world)
     rows = d.batch_tokens // d.seq_len
-    if rows % ranks.world:
+    world = data_world(config, ranks.world)     # under --pp, the ranks of one stage split each batch
+    over = f"{world} ranks" if par.pp == 1 else f"{world} data-parallel ranks (world / --pp)"
+    if rows % world:
         raise ConfigError("--batch-tokens", d.batch_tokens,
-                          f"is global: its {rows} sequences (--batch-tokens / --seq-len) must split evenly over "
-                          f"{ranks.world} ranks")
-    mine = rows // ranks.world
-    if par.micro_batches is not None and mine % par.micro_batches:
-        raise ConfigError("--micro-batches", par.micro_batches,
-                          f"must divide the step's {rows} sequences (--batch-tokens / --seq-len)" if ranks.world == 1
-                          else f"must divide each rank's {mine} sequences of the step ({rows} over {ranks.world} ranks)")
+                          f"is global: its {rows} sequences (--batch-tokens / --seq-len) must split evenly over {over}")
+    mine = rows // world
+    given = par.micro_batches if par.pp == 1 else micro_batches(config)
+    if given is not None and mine % given:
+        raise ConfigError("--micro-batches", given,
+                          f"must divide the step's {rows} sequences (--batch-tokens / --seq-len)" if world == 1
+                          else f"must divide each rank's {mine} sequences of the step ({rows} over {over})")
     if m.tokenizer:
         from ..tokenizer_files import check_tokenizer_dir
 

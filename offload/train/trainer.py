@@ -29,6 +29,9 @@ from .checkpointing import CheckpointManager
 from .config import TrainConfig
 from .ranks import Ranks
 
+# An untied preset resumed from a tied one's checkpoint: its head starts as the embedding was.
+TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}
+
 
 class Trainer:
     """A run of ``config`` on this process's rank (``ranks``: from torchrun's environment)."""
@@ -72,15 +75,30 @@ class Trainer:
                 self.shape = get_preset(c.model.preset_name)
             self.seq = min(c.data.seq_len, self.shape.max_seq_len)
             self.rows = c.data.batch_tokens // self.seq          # sequences per step, all ranks together
-            if self.rows % ranks.world:
+            if self.rows % self.data_world:
                 raise ConfigError("--batch-tokens", c.data.batch_tokens,
                                   f"is global: its {self.rows} sequences of {self.seq} tokens must split evenly "
-                                  f"over {ranks.world} ranks")
+                                  f"over {self.data_world} ranks")
             inputs.check_paths(c, ranks)
             self.tokenizer, self.data = self.build_data()
             self.engine_config = offload.OffloadConfig(
                 dtype=c.model.dtype, device_budget=c.budgets.device_budget, cpu_budget=c.budgets.cpu_budget,
                 nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto")
+
+    @property
+    def data_world(self) -> int:
+        """The ranks that split each global batch (all of them; under --pp, those of one stage)."""
+        return self.ranks.world
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's slice of each global batch (``data.shard_rows``)."""
+        return self.ranks.rank
+
+    def untied(self) -> bool:
+        """Build the preset with an untied LM head: pipeline stages do not sum a tied weight's two
+        gradients yet, so --pp runs and resumes of their checkpoints train it untied."""
+        return self.config.parallel.pp > 1 or self.checkpoints.resumes_pipeline()
 
     def chunk_size(self) -> int | None:
         """--chunk-size, else the checkpoint's when resuming (its layout is the one to rebuild),
@@ -110,6 +128,8 @@ class Trainer:
         trainable = (f" ({self.described.trainable / 1e6:,.3f} M trainable)"
                      if self.described and c.model.lora_rank is not None else "")
         on_ranks = f" over {ranks.world} ranks ({self.rows // ranks.world} each)" if ranks.many else ""
+        if self.data_world != ranks.world:      # pipeline stages: the next line says how the ranks split
+            on_ranks = f" over {ranks.world} ranks"
         self.say(f"finetune: {name}, {n_params / 1e6:,.1f} M parameters{trainable}, {c.model.dtype}, "
                  f"{self.rows} x {self.seq} tokens per step{on_ranks}, {c.optimizer.steps} steps")
         self.say(f"finetune: {inputs.tokens_line(c, self.tokenizer)}; {self.checkpoints.where()}")
@@ -163,8 +183,9 @@ class Trainer:
             return load_pretrained(c.model.model, self.engine_config, adapt=adapt)
         from ..models.llama import LlamaForCausalLM
 
+        shape = self.shape.replace(tie_embeddings=False) if self.untied() else self.shape
         with offload.lazy_init(self.engine_config):
-            model = LlamaForCausalLM(self.shape)
+            model = LlamaForCausalLM(shape)
         model.gradient_checkpointing = not c.model.no_checkpointing
         return offload.wrap(model)
 
@@ -312,7 +333,7 @@ class Trainer:
         elif c.parallel.micro_batches:
             self.engine_config = self.engine_config.replace(gradient_accumulation_steps=c.parallel.micro_batches)
         with ranks.together():
-            mine = self.rows // ranks.world
+            mine = self.rows // self.data_world
             if mine % self.engine_config.gradient_accumulation_steps:
                 raise ConfigError("--micro-batches", self.engine_config.gradient_accumulation_steps,
                                   f"must divide the step's {self.rows} sequences" if not ranks.many else
@@ -320,7 +341,7 @@ class Trainer:
             if c.budgets.dry_run:
                 return 0
             self.engine_config = planning.shared_budgets(self.engine_config, ranks)
-            self.batches = Batches(self.data, self.rows, self.seq, rank=ranks.rank, world=ranks.world)
+            self.batches = Batches(self.data, self.rows, self.seq, rank=self.data_rank, world=self.data_world)
         torch.manual_seed(c.data.seed)
         report.reset_peak_rss()
         base_rss = report.current_rss()
@@ -330,9 +351,10 @@ class Trainer:
             self.optimizer = self.build_optimizer()
             self.scheduler = self.build_scheduler()
             with ranks.together():      # load_checkpoint fails alike on every rank: rank 0 says it once
-                start = self.done = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.batches)
+                start = self.done = self.checkpoints.restore(self.model, self.optimizer, self.scheduler, self.batches,
+                                                             aliases=TIED_HEAD if self.untied() else None)
             self.say(f"finetune: model ready in {time.perf_counter() - built:.1f} s; "
-                     f"{self.model.offload_engine.chunks.layout}")
+                     f"{self.lead_module().offload_engine.chunks.layout}")
             self.flops_per_token = flops_per_token(self.shape, self.seq)
             self.metrics = self.build_metrics()
             t_start = time.perf_counter()
@@ -349,11 +371,18 @@ class Trainer:
                 if self.tty:
                     self.say()
                 if ranks.lead:
-                    report.summary(self.model, self.losses, self.times, self.predicted, t_start,
+                    report.summary(self.lead_module(), self.losses, self.times, self.predicted, t_start,
                                    self.rows * self.seq, base_rss, ranks)
             finally:
                 preempt.uninstall()
                 self.metrics.close()
         finally:
-            self.model.offload_engine.close(keep_files=c.budgets.keep_nvme)
+            self.close_model()
         return 0
+
+    def lead_module(self):
+        """The wrapped module rank 0 reports the layout and memory of."""
+        return self.model
+
+    def close_model(self) -> None:
+        self.model.offload_engine.close(keep_files=self.config.budgets.keep_nvme)

@@ -1,0 +1,54 @@
+"""The checks of ``offload finetune --pp P --schedule NAME --micro-batches M``, before anything is
+built: each failure a ``ConfigError`` naming the flag (``inputs.check_config`` runs them).
+
+The rules are those of the library (``offload.pipeline``) and of torch's schedules, said in the
+trainer's terms: the ranks split as pp x dp; fp16 and tied embeddings are refused under stages
+(a tied preset is built untied instead: it trains from scratch); 1F1B needs at least as many
+micro-batches as stages; the interleaved schedules split the micro-batches into rounds of P.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .config import TrainConfig
+
+
+def data_world(config: TrainConfig, world: int) -> int:
+    """The data-parallel ranks of a run over ``world`` ranks: world / pp (the ranks of one
+    pipeline stage, each taking its own slice of every global batch)."""
+    return max(1, world // config.parallel.pp)
+
+
+def micro_batches(config: TrainConfig) -> int:
+    """The pipeline's micro-batches per step of each data-parallel rank: --micro-batches, else P."""
+    return config.parallel.micro_batches or config.parallel.pp
+
+
+def check_pipeline(config: TrainConfig, world: int) -> None:
+    """The --pp run's settings against each other and the world size (nothing under --pp 1)."""
+    par, m = config.parallel, config.model
+    pp = par.pp
+    if pp == 1:
+        return
+    if world % pp:
+        raise ConfigError("--pp", pp, f"must divide the {world} ranks torchrun started (world = pp x dp)")
+    if m.model:
+        raise ConfigError("--pp", pp, "trains --preset models only yet (an HF --model directory is not streamed "
+                                      "into pipeline stages)")
+    if m.dtype == "fp16":
+        raise ConfigError("--dtype", "fp16", "is refused under --pp: each stage's loss scale would compound with "
+                                             "the next one's; use bf16 or fp32")
+    if config.output.output:
+        raise ConfigError("--output", config.output.output,
+                          "is not written under --pp yet: save a checkpoint (--checkpoint-dir) and resume it "
+                          "with --pp 1 (the checkpoint reshards by layer) to write the model")
+    several = par.schedule in ("interleaved-1f1b", "looped-bfs", "zero-bubble")
+    stages = 2 * pp if several else pp
+    mb = micro_batches(config)
+    if par.schedule == "1f1b" and mb < stages:
+        raise ConfigError("--micro-batches", mb, f"must be >= the {stages} stages under --schedule 1f1b")
+    if par.schedule in ("interleaved-1f1b", "zero-bubble"):
+        rounds = max(1, mb // pp)
+        if mb % rounds:
+            raise ConfigError("--micro-batches", mb, f"must be a multiple of its {rounds} rounds of --pp {pp} "
+                                                     f"under --schedule {par.schedule} (e.g. {rounds * pp})")
