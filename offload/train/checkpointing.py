@@ -85,6 +85,20 @@ class CheckpointManager:
         """--resume and a checkpoint exists (else the run starts fresh)."""
         return self.resume_asked and self.found()
 
+    def resumes_untied_head(self) -> bool:
+        """--resume loads a checkpoint whose LM head is a parameter of its own: a pipeline run's
+        (stages untie a tied preset), or one a run resumed from such a checkpoint wrote."""
+        if not self.resuming():
+            return False
+        from ..pipeline.checkpoint import is_pipeline, newest, saved_sources
+
+        ckpt = newest(self.directory)
+        if ckpt is None:
+            return False
+        if is_pipeline(ckpt):
+            return True
+        return any(e[0] == "lm_head.weight" for e in saved_sources(ckpt)[0].manifest["layout"]["params"])
+
     def saved_chunk_size(self) -> int | None:
         """The chunk size the checkpoint a resume loads was written with (None: no resume): the
         model is built with it, so a checkpoint resumes under other budgets."""

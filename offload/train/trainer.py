@@ -97,8 +97,9 @@ class Trainer:
 
     def untied(self) -> bool:
         """Build the preset with an untied LM head: pipeline stages do not sum a tied weight's two
-        gradients yet, so --pp runs and resumes of their checkpoints train it untied."""
-        return self.config.parallel.pp > 1 or self.checkpoints.resumes_pipeline()
+        gradients yet, so --pp runs, and resumes of their checkpoints (and of what those wrote),
+        train it untied."""
+        return self.config.parallel.pp > 1 or self.checkpoints.resumes_untied_head()
 
     def chunk_size(self) -> int | None:
         """--chunk-size, else the checkpoint's when resuming (its layout is the one to rebuild),
