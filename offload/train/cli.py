@@ -27,7 +27,9 @@ error; 2: a bad command line or --config file.
 
 Under torchrun (torchrun --nproc-per-node 8 scripts/finetune_100b.py ...) each rank keeps a 1/N
 piece of every chunk; --batch-tokens is global, --micro-batches and the budgets are per rank; rank 0 alone
-prints, and a failure on any rank ends every rank with one line from rank 0.
+prints, and a failure on any rank ends every rank with one line from rank 0. --pp P cuts a preset
+into P pipeline stages over the ranks (world = pp x dp; --schedule, --micro-batches M per step), and
+its checkpoints resume under any pp x dp, --pp 1 included (resharded by layer).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def check_pipeline(config: TrainConfig, world: int) -> None:
     if config.output.output:
         raise ConfigError("--output", config.output.output,
                           "is not written under --pp yet: save a checkpoint (--checkpoint-dir) and resume it "
-                          "with --pp 1 (the checkpoint reshards by layer) to write the model")
+                          "with --pp 1 and more --steps (it reshards by layer) to go on and write it there")
     several = par.schedule in ("interleaved-1f1b", "looped-bfs", "zero-bubble")
     stages = 2 * pp if several else pp
     mb = micro_batches(config)
