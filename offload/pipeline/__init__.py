@@ -7,6 +7,10 @@ offload engine, driven by ``torch.distributed.pipelining``'s schedules (issue 28
                          micro_batch=(2, 128), mesh=mesh)
     opt = offload.AdamW(staged.parameters(), lr=1e-4)
     staged.step(input_ids, labels); opt.step(); opt.zero_grad()
+    save_pipeline_checkpoint(staged, opt, "ckpt", step=n)     # offload.pipeline.checkpoint
+    load_pipeline_checkpoint(staged.targets(), opt, "ckpt")    # any pp x dp: resharded by layer
+
+``offload finetune --pp P --schedule NAME`` trains this way (``offload/train/pipelined.py``).
 """
 
 from .balance import cut

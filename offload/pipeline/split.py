@@ -8,6 +8,10 @@ loaded once is cut without copying). Stage ``s`` maps what stage ``s - 1`` retur
 for the first) to hidden states, or to logits for the last; the rotary tables are recomputed per
 stage (cheap, and only hidden states cross between stages, as in Megatron and torchtitan).
 
+Each stage module records ``units`` (its ``[lo, hi)`` of the chain) and ``full_names`` (its
+parameters' names in the stage -> in the whole model): what a pipeline checkpoint's manifest says
+each stage holds, so that another cut finds every parameter by name (``reshard``).
+
 Tied input and output embeddings are refused: the embedding would live on the first and the last
 stage, and its two gradients would have to be summed across them every step (Megatron's
 embedding group), which the stages' engines do not do yet.

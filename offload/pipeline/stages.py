@@ -10,7 +10,9 @@ and backward through the engines outside any step) and the schedule. The engines
 chunks and each engine's Adam runs once per ``step``, on the last micro-batch's backward (eager)
 or at ``optimizer.step()``.
 
-One ``offload.AdamW(staged.parameters(), ...)`` serves every stage of the rank.
+One ``offload.AdamW(staged.parameters(), ...)`` serves every stage of the rank. ``stage_units`` /
+``stage_names`` (every stage's, from ``split_*``) and ``targets()`` (this rank's) are what
+``offload.pipeline.checkpoint`` saves and loads by.
 """
 
 from __future__ import annotations
