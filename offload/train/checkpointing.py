@@ -90,14 +90,16 @@ class CheckpointManager:
         (stages untie a tied preset), or one a run resumed from such a checkpoint wrote."""
         if not self.resuming():
             return False
-        from ..pipeline.checkpoint import is_pipeline, newest, saved_sources
-
-        ckpt = newest(self.directory)
-        if ckpt is None:
-            return False
-        if is_pipeline(ckpt):
+        if self.resumes_pipeline():
             return True
-        return any(e[0] == "lm_head.weight" for e in saved_sources(ckpt)[0].manifest["layout"]["params"])
+        from ..checkpoint import resumable
+        from ..errors import OffloadError
+
+        try:
+            chosen = resumable(self.directory)      # the one resume() starts with (it falls back alike)
+        except OffloadError:
+            return False                            # none verifies: resume() says so
+        return chosen is not None and any(e[0] == "lm_head.weight" for e in chosen[1]["layout"]["params"])
 
     def saved_chunk_size(self) -> int | None:
         """The chunk size the checkpoint a resume loads was written with (None: no resume): the
