@@ -22,6 +22,8 @@ Modules, in the order a plan is made:
   model's and one rank's (``RankChunks``).
 * ``activations`` — activation bytes per token, and where a micro-batch's activations sit (GPU,
   the pinned RAM area, NVMe).
+* ``precision`` — bytes per element of the master and the Adam moments by their precision
+  (fp32, bf16, 8-bit block-wise; issue 29).
 * ``memory`` — the budgets ("auto" as the engine resolves it), the bytes each tier holds by kind,
   the NVMe space, and why a plan does not fit.
 * ``step_time`` — the bytes a step moves (NVMe, PCIe, collectives) and the predicted step time
