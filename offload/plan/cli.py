@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .choice import choice_json, choose
+from .cluster_cli import cluster_flags, run_cluster
 from .figures import ASSUMED_NET_GBPS, ASSUMED_PCIE_GBPS, gather_hardware
+from .stage_layout import ASSUMED_INTRA_BOX_GBPS
 from .defaults import BATCH_TOKENS, SEQ_LEN
 from .flags import (default_seq_len, describe_models, lora_targets, positive_int_flag, rate, size, size_flag,
                     whole)
@@ -21,13 +23,15 @@ from .inputs import DTYPE_BYTES, Policy
 from .model import resolve_model
 from .precision import MASTER_PRECISIONS, STATE_PRECISIONS
 from .report import format_choice, format_plan, format_savings, savings_json
+from .schedule_theory import SCHEDULE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's flags (every figure of the box can be given; those not given are measured)."""
     a = parser.add_argument
-    a("--model", required=True, help="preset: tiny, small, 1b, 7b, 13b, 70b, 100b (or llama-100b, ...), "
-                                     "or a local Hugging Face model directory (its config.json is read)")
+    a("--model", required=True, help="preset: tiny, small, 1b, 7b, 13b, 70b, 100b (or llama-100b, ...), 1t "
+                                     "(planner only), or a local Hugging Face model directory (its config.json "
+                                     "is read)")
     a("--lora-rank", type=whole, help="plan a LoRA fine-tune of this rank as well as the full one (frozen "
                                       "weights cost only their parameter chunks)")
     a("--lora-targets", help="LoRA target modules, comma-separated (default: peft's for the architecture; "
@@ -77,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           "WORLD_SIZE); the plan is one rank's, --batch-tokens the whole step's")
     a("--local-world", type=whole, help="ranks on this box, sharing its RAM, NVMe and CPU cores (default: "
                                       "--world, all on one box); each has a GPU of its own")
+    a("--boxes", type=whole, help="plan a cluster of this many boxes (the other figures describe one box: "
+                                  "--gpu-mem one GPU's, --cpu-mem, NVMe and CPU Adam the box's): pp x dp x "
+                                  "micro-batches x pipeline schedule, against data parallelism over every GPU")
+    a("--gpus-per-box", type=whole, help="with --boxes: GPUs in each box, one rank each (default 8)")
+    a("--inter-box-gbps", type=rate, help=f"with --boxes: a GPU's bandwidth to other boxes, GB/s each way "
+                                          f"(default: assumed {ASSUMED_NET_GBPS:g}, a 200 Gb/s NIC per GPU)")
+    a("--intra-box-gbps", type=rate, help=f"with --boxes: a GPU's bandwidth to the GPUs of its box, GB/s each way "
+                                          f"(default: assumed {ASSUMED_INTRA_BOX_GBPS:g}, NVLink)")
+    a("--pp", type=whole, help="with --boxes: plan only this many pipeline stages (a divisor of the GPUs)")
+    a("--schedule", choices=SCHEDULE_NAMES, help="with --boxes: plan only this pipeline schedule")
     a("--no-cache", action="store_true", help="measure this box again instead of reading the measurements "
                                              "kept from an earlier run ($OFFLOAD_CACHE_DIR, default ~/.cache/offload)")
     a("--json", metavar="FILE", help="also write the plan as JSON to FILE ('-' for stdout only)")
@@ -84,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan ``args``' model on the box described (or this one); 1 when the chosen plan does not fit."""
+    cluster = cluster_flags(args)
     hardware, sources, notes = gather_hardware(args)
     batch = positive_int_flag(args.batch_tokens, "--batch-tokens")
     ranks = _ranks(args)
@@ -100,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         **ranks,
         **precision,
     )
+    if cluster is not None:
+        return run_cluster(args, cluster, hardware, policy, notes)
     choices = _choices(args, hardware, policy)
     # what the compressed state buys: the same ways with exact fp32 state beside it
     baseline = None if policy.optimizer_state == "fp32" and policy.master == "fp32" else _choices(
