@@ -185,6 +185,8 @@ def _activation_room(p: Plan, hw: Hardware, flight: float) -> tuple[list[str], i
                  f"({format_size(extra)} beyond one), has {format_size(hw.gpu_mem)}"],
                 room if b["device_min_bytes"] <= room < b["device_budget"] else None)
     placed = b["activation_placement"]
+    if p.policy["activation_offload"] == "nvme":
+        return [], None          # what the RAM area cannot hold spills to NVMe (counted once per micro-batch)
     held = int(flight * placed["area_bytes"])
     if held > placed["area_budget"]:
         return [f"the activation area ({format_size(placed['area_budget'])}) holds less than {flight:g} "
