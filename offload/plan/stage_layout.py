@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..models.llama import LlamaConfig
 from .model import param_numels
-from ..pipeline.balance import cut
 
 ORDERS = ("dp-inner", "pp-inner")
 ASSUMED_INTER_BOX_GBPS = 25.0
@@ -127,6 +126,10 @@ def chain_units(cfg: LlamaConfig) -> list[list[int]]:
 
 def rank_layouts(cfg: LlamaConfig, pp: int, stages_per_rank: int) -> list[RankLayout]:
     """Every pipeline rank's part of ``cfg`` cut into ``pp x stages_per_rank`` stages."""
+    # imported here: the package ``offload.pipeline`` loads the engine and torch's pipelining
+    # (half a second), which a plan for one box does not need
+    from ..pipeline.balance import cut
+
     units = chain_units(cfg)
     ranges = cut([sum(u) for u in units], pp * stages_per_rank)
     last = len(units) - 1
