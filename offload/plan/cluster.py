@@ -204,14 +204,14 @@ def pipeline_candidate(rp: _RankPlanner, cluster: Cluster, *, pp: int, micro: in
     flight = in_flight(schedule, pp, micro)
     plans, problems, gpu = [], [], 0
     for lay in rp.ranks(pp, v):
+        held = in_flight(schedule, pp, micro, lay.rank)
         p = rp.plan(lay, key, dp=dp, micro=micro, mode=mode, net=links.dp_gbps, device_budget=None)
-        # only rank 0 holds the most micro-batches in flight; the others at most as many
-        why, smaller = _activation_room(p, rp.hw, flight if lay.rank == 0 else 1.0)
+        why, smaller = _activation_room(p, rp.hw, held)
         if why and smaller is not None and po.device_budget is None:
             p = rp.plan(lay, key, dp=dp, micro=micro, mode=mode, net=links.dp_gbps, device_budget=smaller)
-            why, _ = _activation_room(p, rp.hw, flight if lay.rank == 0 else 1.0)
+            why, _ = _activation_room(p, rp.hw, held)
         plans.append(p)
-        gpu = max(gpu, p.tiers["device"]["bytes"] + _extra_on_gpu(p, flight if lay.rank == 0 else 1.0))
+        gpu = max(gpu, p.tiers["device"]["bytes"] + _extra_on_gpu(p, held))
         problems += ([] if p.fits else [p.reason.split(";")[0]]) + why
     micro_tokens = plans[0].breakdown["micro_batch_tokens"]
     act_bytes = 2 * v * micro * micro_tokens * cfg.hidden_size * DTYPE_BYTES[po.dtype]

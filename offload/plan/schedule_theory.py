@@ -25,12 +25,12 @@ paper's own assumptions):
   here; the bubble is ~0 only in the paper's ZB-H2 / ZB-2p, which hold twice the activations and
   which torch's schedule does not run.
 
-Micro-batches in flight on pipeline rank 0 (the most of any rank), counted in units of "one
+Micro-batches in flight on a pipeline rank (rank 0 holds the most), counted in units of "one
 micro-batch's activations of all of this rank's layers" (a stage of an interleaved rank holds 1/v
-of them): GPipe runs every forward before any backward (M); 1F1B warms up P (min(M, P));
+of them): GPipe runs every forward before any backward (M); 1F1B warms up P - rank (min(M, P - rank));
 torch's interleaved schedules warm up ``_get_warmup_ops`` stage-micro-batches ((v - 1) x the
-micro-batches per round + 2 (P - 1) for interleaved 1F1B, + (P - 1) for zero-bubble) and hold one
-more in the steady state; LoopedBFS runs all M through a local stage before the backward (M).
+micro-batches per round + 2 (P - 1 - rank) for interleaved 1F1B, + (P - 1 - rank) for zero-bubble)
+and hold one more in the steady state; LoopedBFS runs all M through a local stage before the backward (M).
 """
 
 from __future__ import annotations
@@ -84,14 +84,17 @@ def bubble_fraction(schedule: str, pp: int, micro_batches: int) -> float:
     return idle / (v * micro_batches + idle) if idle else 0.0
 
 
-def in_flight(schedule: str, pp: int, micro_batches: int) -> float:
-    """Micro-batches of activations (of all of its layers) pipeline rank 0 holds at once."""
+def in_flight(schedule: str, pp: int, micro_batches: int, rank: int = 0) -> float:
+    """Micro-batches of activations (of all of its layers) pipeline rank ``rank`` holds at once
+    (rank 0 the most)."""
     v, m = stages_per_rank(schedule), micro_batches
+    if not 0 <= rank < pp:
+        raise ConfigError("rank", rank, f"must be a pipeline rank of {pp}")
     if schedule in ("gpipe", "looped-bfs"):
         return float(m)
     if schedule == "1f1b":
-        return float(min(m, pp))
+        return float(min(m, pp - rank))
     _, per_round = _rounds(pp, m)
     factor = 2 if schedule == "interleaved-1f1b" else 1
-    warmup = min((v - 1) * per_round + factor * (pp - 1), m * v)
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
     return min(warmup + 1, m * v) / v

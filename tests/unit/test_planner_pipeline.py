@@ -55,6 +55,9 @@ def test_activations_in_flight_on_the_first_rank(pp, m, name):
     assert 1 / stages_per_rank(name) <= held <= m
     assert in_flight("gpipe", pp, m) == in_flight("looped-bfs", pp, m) == m
     assert in_flight("1f1b", pp, m) == min(m, pp)
+    later = [in_flight(name, pp, m, r) for r in range(pp)]
+    assert later == sorted(later, reverse=True) and later[0] == held      # the first rank holds the most
+    assert in_flight("1f1b", pp, m, pp - 1) == 1
     if m % pp == 0:    # torch's interleaved 1F1B warms up (v - 1) P + 2 (P - 1) stage-micro-batches
         assert in_flight("interleaved-1f1b", pp, m) == pytest.approx(min(pp + 2 * (pp - 1) + 1, 2 * m) / 2)
         assert runnable(name, pp, m)
