@@ -85,7 +85,8 @@ def format_cluster(choice: ClusterChoice, model: str, params: int, policy: dict,
         if not c.fits:
             lines.append(f"  {'':<11} refused: {c.reason.split(';')[0]}")
     lines += ["", f"({choice.candidates} ways planned: every pp dividing {cl.ranks}, the schedules, micro-batches "
-                  "P to 8P, activations on the GPU or parked in RAM, the mesh with dp or pp ranks side by side; "
+                  "P, 2P, 4P, ... up to one sequence each, activations on the GPU or parked in RAM, the mesh "
+                  "with dp or pp ranks side by side; "
                   "the table keeps each pp's fastest. Bubble: schedule theory (offload.plan.schedule_theory); "
                   "'in flight': micro-batches of activations the first stage holds)",
               "", "verdict: " + why(choice)]
