@@ -32,6 +32,15 @@ Modules, in the order a plan is made:
   JSON of ``offload plan --json``).
 * ``choice`` — ``choose``: plans every way to the batch and takes the fastest that fits.
 
+Pipeline stages on a cluster of boxes (``offload plan --boxes B --gpus-per-box G``, issue 28):
+
+* ``schedule_theory`` — each pipeline schedule's bubble and activations in flight, from its paper.
+* ``stage_layout`` — ``Cluster``, the links a (pp, dp) mesh crosses, the part of the model each
+  pipeline rank holds.
+* ``cluster`` — ``choose_cluster``: plans every pipeline rank with ``plan`` and chooses pp x dp x
+  micro-batches x schedule, against sliced data parallelism over every GPU.
+* ``cluster_report``, ``cluster_cli`` — the cluster plan as the command prints it, and its flags.
+
 The ``offload plan`` command:
 
 * ``cli`` — its flags and ``run``.

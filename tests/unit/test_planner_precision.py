@@ -81,7 +81,7 @@ def test_fewer_state_bytes_never_cost_nvme_space_or_traffic(model, dtype, cpu_gi
         kinds = p.breakdown["state_by_kind"]
         trained = kinds["grads"] // 4
         assert trained <= n
-        assert kinds["exp_avg"] + kinds["exp_avg_sq"] + kinds["master"] <= expect * trained + 2
+        assert kinds["exp_avg"] + kinds["exp_avg_sq"] + kinds["master"] <= expect * trained + 3   # each rounded up
         assert kinds["exp_avg"] + kinds["exp_avg_sq"] + kinds["master"] >= expect * trained
     # each step of the list stores no more per element, and so needs no more NVMe space or traffic
     order = [(0, 1), (1, 2), (1, 3), (2, 4), (3, 4)]
