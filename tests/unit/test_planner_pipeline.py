@@ -197,3 +197,10 @@ def test_cli_cluster_flags_are_checked_at_parse_time(capsys, flag, value):
         main(CLI + ["--boxes", "2", f"{flag}={value}"])
     assert exit_info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_cli_cluster_of_cpu_boxes_names_gpu_mem(capsys):
+    assert main(["plan", "--model", "llama-100b", "--boxes", "2", "--cpu-mem", "512G", "--cpu-gflops", "100",
+                 "--nvme-capacity", "1T", "--nvme-gbps", "5", "--adam-params-per-s", "1e9"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpu-mem" in err and "Traceback" not in err
