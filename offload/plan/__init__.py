@@ -22,6 +22,8 @@ Modules, in the order a plan is made:
   model's and one rank's (``RankChunks``).
 * ``activations`` — activation bytes per token, and where a micro-batch's activations sit (GPU,
   the pinned RAM area, NVMe).
+* ``precision`` — bytes per element of the master and the Adam moments by their precision
+  (fp32, bf16, 8-bit block-wise; issue 29).
 * ``memory`` — the budgets ("auto" as the engine resolves it), the bytes each tier holds by kind,
   the NVMe space, and why a plan does not fit.
 * ``step_time`` — the bytes a step moves (NVMe, PCIe, collectives) and the predicted step time
@@ -29,6 +31,15 @@ Modules, in the order a plan is made:
 * ``planner`` — ``plan``: runs the above and gathers them in a ``Plan`` (``to_json_dict`` is the
   JSON of ``offload plan --json``).
 * ``choice`` — ``choose``: plans every way to the batch and takes the fastest that fits.
+
+Pipeline stages on a cluster of boxes (``offload plan --boxes B --gpus-per-box G``, issue 28):
+
+* ``schedule_theory`` — each pipeline schedule's bubble and activations in flight, from its paper.
+* ``stage_layout`` — ``Cluster``, the links a (pp, dp) mesh crosses, the part of the model each
+  pipeline rank holds.
+* ``cluster`` — ``choose_cluster``: plans every pipeline rank with ``plan`` and chooses pp x dp x
+  micro-batches x schedule, against sliced data parallelism over every GPU.
+* ``cluster_report``, ``cluster_cli`` — the cluster plan as the command prints it, and its flags.
 
 The ``offload plan`` command:
 

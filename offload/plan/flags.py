@@ -80,13 +80,15 @@ def describe_models(args: argparse.Namespace) -> list:
         return args._described
     out = []
     if not Path(args.model).is_dir():
-        from ..models.llama import PRESETS, get_preset
+        from ..models.llama import PRESETS
+        from .model import PLANNER_PRESETS, resolve_model
 
         try:
-            get_preset(args.model)
+            resolve_model(args.model)
         except ConfigError:
+            names = [*PRESETS, *PLANNER_PRESETS]
             raise ConfigError("--model", args.model, "is neither a model directory (there is none there) nor a "
-                                                     f"preset ({', '.join('llama-' + p for p in PRESETS)})") from None
+                                                     f"preset ({', '.join('llama-' + p for p in names)})") from None
     else:
         from ..hf.describe import describe
 
@@ -107,9 +109,15 @@ def lora_targets(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 
 def model_shape(args: argparse.Namespace):
-    """The preset name, or a directory's LLaMA-shaped summary (for the compute probe)."""
+    """The preset name, or a directory's or a planner-only preset's LLaMA-shaped config (for the
+    compute probe, which knows the models' presets only)."""
     described = describe_models(args)
-    return described[0].shape if described else args.model
+    if described:
+        return described[0].shape
+    from .model import PLANNER_PRESETS, resolve_model
+
+    label, cfg = resolve_model(args.model)
+    return cfg if label.removeprefix("llama-") in PLANNER_PRESETS else args.model
 
 
 def default_seq_len(args: argparse.Namespace, batch_tokens: int) -> int:

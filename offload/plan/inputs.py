@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..chunks.layout import CHUNK_QUANTUM
 from ..errors import ConfigError
 from .model import PROJECTIONS
+from .precision import MASTER_PRECISIONS, STATE_PRECISIONS, master_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 ACTIVATION_PLACES = ("none", "cpu", "nvme")
@@ -105,6 +106,12 @@ class Policy:
     local_world: int = 1
     """Of those, the ranks on this box: they share its RAM, NVMe drives and CPU cores evenly; each
     has a GPU of its own (``Hardware.gpu_mem`` is one GPU's)."""
+    optimizer_state: str = "fp32"
+    """Precision of Adam's moments: "fp32" (4 B each), "bf16" (2 B) or "8bit" (a byte and one fp32
+    scale per 256 elements) — ``OffloadConfig.optimizer_state``."""
+    master: str = "fp32"
+    """Precision of the master weights: "fp32" (4 B; none under fp32 compute) or "bf16" (2 B,
+    stochastic rounding; none under bf16 compute, whose parameters are the master) — ``OffloadConfig.master``."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_tokens")
@@ -121,6 +128,10 @@ class Policy:
                 or not 1 <= self.micro_batches <= self.batch_tokens:
             raise ConfigError("micro_batches", self.micro_batches,
                               f"must be an integer between 1 and batch_tokens={self.batch_tokens}")
+        if self.optimizer_state not in STATE_PRECISIONS:
+            raise ConfigError("optimizer_state", self.optimizer_state, f"must be one of {', '.join(STATE_PRECISIONS)}")
+        if self.master not in MASTER_PRECISIONS:
+            raise ConfigError("master", self.master, f"must be one of {', '.join(MASTER_PRECISIONS)}")
         if self.activation_offload not in ACTIVATION_PLACES:
             raise ConfigError("activation_offload", self.activation_offload,
                               f"must be one of {', '.join(ACTIVATION_PLACES)}")
@@ -130,6 +141,7 @@ class Policy:
         _positive(self, "seq_len", optional=True)
         if self.dtype not in DTYPE_BYTES:
             raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(DTYPE_BYTES)}")
+        master_bytes(self.master, self.dtype)          # a bf16 master under fp32 compute is refused
         _positive(self, "device_budget", optional=True)
         _positive(self, "cpu_budget", optional=True)
         _positive(self, "chunk_size", optional=True)

@@ -3,7 +3,10 @@ whether it all fits (bytes throughout).
 
 * Kinds, bytes per element: compute parameters ``e`` (2 for bf16/fp16, 4 for fp32), fp32
   gradients 4, fp32 master 4 (none for fp32 compute: the parameter is the master), ``exp_avg`` 4,
-  ``exp_avg_sq`` 4 — 18 B/param for bf16, 16 for fp32. Frozen chunks hold parameters only.
+  ``exp_avg_sq`` 4 — 18 B/param for bf16, 16 for fp32 — under the default exact fp32 Adam; a
+  compressed master and moments (``Policy.optimizer_state``/``master``) cost ``precision``'s bytes
+  instead, e.g. 8-bit moments and a bf16 master under bf16 compute 2 + 4 + 0 + 2 x (1 + 4/256).
+  Frozen chunks hold parameters only.
 * Budgets are chunk storage only. ``device_budget``: parameter chunks and the fp32 gradient chunks
   being filled on the compute device; activations, autograd temporaries and the CUDA context are
   outside it (torch's allocator), so a GPU needs device_budget + activations + workspace, and a
@@ -29,6 +32,7 @@ whether it all fits (bytes throughout).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..tiers.budgets import (AUTO_CPU_SHARE, AUTO_DEVICE_SHARE_CPU, AUTO_DEVICE_SHARE_CUDA, GATHERED_CHUNKS,
@@ -58,6 +62,11 @@ def auto_budgets(hw: Hardware, device_budget: int | None, cpu_budget: int | None
         taken = 0 if gpu else device_budget
         cpu_budget = max(int((hw.cpu_mem - taken) * AUTO_CPU_SHARE), 1 << 20)
     return device_budget, cpu_budget
+
+
+def _fp32_kinds(e: int) -> dict:
+    """Bytes per element of each kind under exact fp32 Adam (the engine's default)."""
+    return {"params": e, "grads": 4, "master": 4 if e < 4 else 0, "exp_avg": 4, "exp_avg_sq": 4}
 
 
 def _split(kinds: dict, order: tuple, room: int) -> tuple[dict, dict]:
@@ -108,15 +117,16 @@ class Memory:
         return self.dev_params == self.all_params
 
 
-def place_state(chunks: RankChunks, placed: ActivationPlacement, *, dtype_bytes: int, layer_params: int,
+def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: dict, layer_params: int,
                 world: int, device_budget: int, cpu_budget: int, hold_grads: bool, nvme_tier: bool) -> Memory:
-    """Put the state of ``chunks`` (the rank's) on the device, the CPU and NVMe; ``layer_params``:
-    elements of one decoder layer; ``hold_grads``: gradients are held whole until the update (a
-    deferred step, or micro-batches accumulating into them); ``nvme_tier``: is there one?"""
-    e = dtype_bytes
-    per_elem = {"params": e, "grads": 4, "master": 4 if e < 4 else 0, "exp_avg": 4, "exp_avg_sq": 4}
-    total = {k: (chunks.elems if k == "params" else chunks.trained) * b for k, b in per_elem.items()}
-    set_bytes = chunks.largest_trained * sum(per_elem.values())    # one (largest) chunk of every kind
+    """Put the state of ``chunks`` (the rank's) on the device, the CPU and NVMe; ``per_elem``: bytes
+    per element of each kind (``precision.state_per_elem``); ``layer_params``: elements of one
+    decoder layer; ``hold_grads``: gradients are held whole until the update (a deferred step, or
+    micro-batches accumulating into them); ``nvme_tier``: is there one?"""
+    e = per_elem["params"]
+    # 8-bit moments cost a fractional byte per element (their block scales): round up per kind
+    total = {k: math.ceil((chunks.elems if k == "params" else chunks.trained) * b) for k, b in per_elem.items()}
+    set_bytes = math.ceil(chunks.largest_trained * sum(per_elem.values()))    # one (largest) chunk of every kind
     state_bytes = sum(total.values())
     all_params = chunks.gathered_elems * e          # what the device sees: every chunk, gathered
     chunk, largest = chunks.chunk_size, chunks.largest
@@ -132,7 +142,9 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, dtype_bytes:
 
     # ---- the CPU tier: working room for the optimizer, then state by priority; NVMe holds the rest
     # the rank's pieces pass through the CPU tier, never a whole chunk (the device gathers them)
-    cpu_min = max(min_cpu_bytes(chunks.largest_trained, e), chunks.largest_piece * e)
+    # the engine's minimum for fp32 state is the same sum; other precisions: their own bytes
+    one_set = min_cpu_bytes(chunks.largest_trained, e) if per_elem == _fp32_kinds(e) else set_bytes
+    cpu_min = max(one_set, chunks.largest_piece * e)
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
     # consumed by Adam as they arrive, unless held whole
@@ -182,7 +194,7 @@ def fit_problems(hw: Hardware, po: Policy, mem: Memory, chunks: RankChunks, plac
     if cpu_budget < mem.cpu_min:
         problems.append(
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
-            f"({format_size(mem.cpu_min)}: {chunks.largest_trained:,} elements x {sum(mem.per_elem.values())} B"
+            f"({format_size(mem.cpu_min)}: {chunks.largest_trained:,} elements x {sum(mem.per_elem.values()):.4g} B"
             + ("" if world == 1 else ", this rank's piece of the largest trainable chunk") +
             ") that Adam needs at once")
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:

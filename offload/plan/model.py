@@ -20,12 +20,23 @@ from ..chunks.layout import PARAM_ALIGN, auto_max_chunk, pack, search_chunk_size
 from ..models.llama import LlamaConfig, get_preset
 
 
+PLANNER_PRESETS = {
+    # a LLaMA shape of ~1e12 parameters (1.0006e12: head_dim 128, GQA 24:1, SwiGLU 65536), for
+    # planning clusters only: nothing trains it here, so it is not among the models' presets
+    "1t": LlamaConfig(vocab_size=32000, hidden_size=24576, intermediate_size=65536, num_layers=164,
+                      num_heads=192, num_kv_heads=8, max_seq_len=4096),
+}
+"""Shapes the planner knows beyond ``offload.models.llama.PRESETS``."""
+
+
 def resolve_model(model: Union[str, LlamaConfig]) -> tuple[str, LlamaConfig]:
-    """``(label, cfg)`` of a preset name ("7b", "llama-7b": labelled "llama-7b") or a config ("custom")."""
+    """``(label, cfg)`` of a preset name ("7b", "llama-7b": labelled "llama-7b"; the planner's own
+    "1t" too) or a config ("custom")."""
     if isinstance(model, LlamaConfig):
         return "custom", model
-    cfg = get_preset(model)
-    return "llama-" + str(model).strip().lower().removeprefix("llama-").removeprefix("llama"), cfg
+    key = str(model).strip().lower().removeprefix("llama-").removeprefix("llama")
+    cfg = PLANNER_PRESETS[key] if key in PLANNER_PRESETS else get_preset(model)
+    return "llama-" + key, cfg
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

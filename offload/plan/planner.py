@@ -17,6 +17,7 @@ from .activations import activation_bytes_per_token, area_budget, place_activati
 from .inputs import DTYPE_BYTES, Hardware, Policy, rank_share
 from .memory import auto_budgets, fit_problems, max_batch_tokens, place_state, verdict
 from .model import param_layout, rank_chunks, resolve_model
+from .precision import state_per_elem
 from .step_time import step_time, traffic
 
 
@@ -99,7 +100,8 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     act_per_tok = activation_bytes_per_token(cfg, e, po.activation_checkpointing)
     placed = place_activations(cfg, e, po.activation_offload, micro, act_per_tok,
                                area_budget(hw, device_budget, cpu_budget))
-    mem = place_state(chunks, placed, dtype_bytes=e, layer_params=layer_params, world=world,
+    per_elem = state_per_elem(po.dtype, e, po.optimizer_state, po.master)
+    mem = place_state(chunks, placed, per_elem=per_elem, layer_params=layer_params, world=world,
                       device_budget=device_budget, cpu_budget=cpu_budget, hold_grads=po.defer_step or k > 1,
                       nvme_tier=hw.nvme_capacity > 0)
     moved = traffic(mem, chunks, placed, micro_batches=k, world=world, gpu=gpu)
@@ -120,6 +122,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "device_min_bytes": mem.device_min, "cpu_min_bytes": mem.cpu_min,
         "params_resident_on_device": mem.resident, "layer_params": layer_params,
         "state_bytes": mem.state_bytes, "state_bytes_per_param": sum(mem.per_elem.values()),
+        "optimizer_state": po.optimizer_state, "master": po.master, "bytes_per_elem": dict(mem.per_elem),
         "frozen_chunks": num_chunks - sum(chunk_trainable),
         "state_by_kind": mem.total, "activations": {part: v * micro for part, v in act_per_tok.items()},
         "device_cpu_copy_bytes": moved.device_cpu_copy,

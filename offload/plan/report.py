@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..units import format_size
 from .choice import FAMILIES, Choice, family_of
 from .planner import Plan
+from .precision import describe as describe_precision
 
 
 def seconds(s: float) -> str:
@@ -21,6 +22,11 @@ def _way_text(po: dict, b: dict) -> str:
     if po.get("micro_batches", 1) > 1:
         out += f", {po['micro_batches']} micro-batches of {b['micro_batch_tokens']} tokens"
     return out
+
+
+def _precision_text(po: dict) -> str:
+    state, master = po.get("optimizer_state", "fp32"), po.get("master", "fp32")
+    return "" if state == master == "fp32" else f"; {describe_precision(state, master)}"
 
 
 def _ranks_text(p: Plan) -> list[str]:
@@ -50,7 +56,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
              f"{'activation checkpointing' if po['activation_checkpointing'] else 'no checkpointing'}"
              + (f"; {b['trainable_params']:,} trainable ({b['trainable_chunks']} of {b['num_chunks']} chunks "
                 "carry gradient, master and moments)" if b.get("trainable_params", p.params) != p.params else "")
-             + _way_text(po, b),
+             + _way_text(po, b) + _precision_text(po),
              "(sizes in decimal units: 1 GB = 1e9 bytes; on the command line 8T = 8 TiB = 8.80 TB)",
              *_ranks_text(p),
              "", "hardware"]
@@ -85,7 +91,7 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
               f"{format_size(b['cpu_min_bytes'])})",
               "", f"NVMe space needed: {format_size(p.nvme_bytes_needed)} "
               f"(a slot for every chunk of every kind: {format_size(b['state_bytes'])}, "
-              f"{b['state_bytes_per_param']} B/param incl. fp32 gradients and padding)"]
+              f"{b['state_bytes_per_param']:.4g} B/param incl. fp32 gradients and padding)"]
 
     bps, size = p.bytes_per_step, format_size
     lines += ["", "bytes moved per step",
@@ -167,3 +173,36 @@ def format_choice(c: Choice) -> str:
     elif family_of(c.best) not in c.families or c.families[family_of(c.best)] is not c.best:
         lines.append(f"  chosen: {describe_way(c.best)}, {seconds(c.best.predicted_step_s)}")
     return "\n".join(lines)
+
+
+def _nvme_bytes(p: Plan) -> int:
+    return p.bytes_per_step["nvme_read"] + p.bytes_per_step["nvme_write"]
+
+
+def savings_json(p: Plan, base: Plan) -> dict:
+    """What ``p``'s optimizer-state precision buys against ``base``, the same ways with fp32 state
+    (``offload plan --json``'s "versus_fp32")."""
+    return {"state_bytes_per_param": p.breakdown["state_bytes_per_param"],
+            "fp32_state_bytes_per_param": base.breakdown["state_bytes_per_param"],
+            "nvme_bytes_needed": p.nvme_bytes_needed, "fp32_nvme_bytes_needed": base.nvme_bytes_needed,
+            "nvme_bytes_per_step": _nvme_bytes(p), "fp32_nvme_bytes_per_step": _nvme_bytes(base),
+            "nvme_s": p.step_terms_s["nvme"], "fp32_nvme_s": base.step_terms_s["nvme"],
+            "predicted_step_s": p.predicted_step_s, "fp32_predicted_step_s": base.predicted_step_s,
+            "fits": p.fits, "fp32_fits": base.fits}
+
+
+def format_savings(p: Plan, base: Plan) -> str:
+    """One line: what ``p``'s optimizer-state precision buys against fp32 state (``base``): bytes
+    stored, NVMe bytes and time per step, step time."""
+    po, b, bb = p.policy, p.breakdown, base.breakdown
+    what = describe_precision(po["optimizer_state"], po["master"])
+    step = (f"step {seconds(p.predicted_step_s)} instead of {seconds(base.predicted_step_s)} "
+            f"({base.predicted_step_s / p.predicted_step_s:.2f}x, bound by {p.bottleneck})"
+            if p.fits and base.fits else
+            f"the fp32 plan {'fits' if base.fits else 'does not fit'}, this one {'fits' if p.fits else 'does not'}")
+    return (f"\nversus fp32 state: {what}: {b['state_bytes_per_param']:.4g} B/param stored instead of "
+            f"{bb['state_bytes_per_param']:.4g} ({format_size(p.nvme_bytes_needed)} of NVMe instead of "
+            f"{format_size(base.nvme_bytes_needed)}); NVMe {format_size(_nvme_bytes(p))}/step instead of "
+            f"{format_size(_nvme_bytes(base))} ({seconds(p.step_terms_s['nvme'])} instead of "
+            f"{seconds(base.step_terms_s['nvme'])}); {step}. (CPU Adam is taken at the params/s given for "
+            "fp32 state: give --adam-params-per-s from `offload bench adam --state ...` for this precision)")
