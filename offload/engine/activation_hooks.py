@@ -32,4 +32,4 @@ def make_activation_store(config, device: torch.device, budget: int, store, trac
     streams = store.streams
     return ActivationStore(device, area, tier=tier, streams=lambda: streams, spill=spill,
                            min_bytes=config.activation_min_bytes, prefetch=config.activation_prefetch,
-                           tracer=tracer)
+                           tracer=tracer, order=config.activation_backward_order)

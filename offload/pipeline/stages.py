@@ -118,7 +118,10 @@ class StagedModel:
                               f"schedule {schedule} over {self.pp} pipeline ranks needs "
                               f"{'a multiple of' if multi_stage(schedule) else 'exactly'} {self.pp} stages "
                               f"(offload.pipeline.stage_count)")
-        self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches)
+        # Several micro-batches in flight, their backwards in forward order: parked activations
+        # spill and come back by that order (offload.activations.order).
+        self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches,
+                                          activation_backward_order="micro-batches")
         self.micro_batches = micro_batches
         self.indices = list(range(self.pp_rank, count, self.pp))
         failure.install(dist.get_rank())        # a rank that fails names itself to the others
