@@ -21,7 +21,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 EVICTIONS = ("next_use", "lru")
 ACTIVATION_OFFLOADS = ("none", "cpu", "nvme", "auto")
-ACTIVATION_ORDERS = ("reverse", "micro-batches")
+ACTIVATION_ORDERS = ("auto", "reverse", "micro-batches")
 CHUNK_QUANTUM = 2048
 """Chunk sizes are multiples of this many elements: whole 4 KiB blocks (O_DIRECT) at any dtype."""
 DIRECT_IO_ALIGNMENT = 4096
@@ -142,10 +142,11 @@ class OffloadConfig:
     checkpointing, the lm_head input); None: checkpoint boundaries only."""
     activation_prefetch: int = 4
     """Offloaded tensors brought back ahead of the backward that needs them (reverse forward order)."""
-    activation_backward_order: str = "reverse"
+    activation_backward_order: str = "auto"
     """The order backward takes forwards' parked tensors in: "reverse" (each forward's backward comes
-    before the next forward) or "micro-batches" (several forwards in flight, their backwards in forward
-    order: pipeline schedules; ``offload.pipeline.StagedModel`` sets it). Spills and read-backs follow it."""
+    before the next forward), "micro-batches" (several forwards in flight, their backwards in forward
+    order: pipeline schedules), or "auto" ("micro-batches" under ``offload.pipeline.StagedModel``, else
+    "reverse"). Spills and read-backs follow it."""
 
     def __post_init__(self) -> None:
         _choice(self.device, "device", DEVICES)

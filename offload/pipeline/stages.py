@@ -120,8 +120,9 @@ class StagedModel:
                               f"(offload.pipeline.stage_count)")
         # Several micro-batches in flight, their backwards in forward order: parked activations
         # spill and come back by that order (offload.activations.order).
+        order = config.activation_backward_order
         self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches,
-                                          activation_backward_order="micro-batches")
+                                          activation_backward_order="micro-batches" if order == "auto" else order)
         self.micro_batches = micro_batches
         self.indices = list(range(self.pp_rank, count, self.pp))
         failure.install(dist.get_rank())        # a rank that fails names itself to the others

@@ -122,7 +122,7 @@ def test_a_full_area_spills_the_micro_batch_needed_last(disk_tmp, order, next_ba
 
 
 def test_the_order_is_a_checked_config_choice():
-    assert OffloadConfig().activation_backward_order == "reverse"
+    assert OffloadConfig().activation_backward_order == "auto"
     with pytest.raises(ConfigError, match="activation_backward_order"):
         OffloadConfig(activation_backward_order="lifo")
     with pytest.raises(ConfigError, match="activation_backward_order"):
