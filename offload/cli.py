@@ -1,4 +1,4 @@
-"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step``, ``plan``, ``finetune``, ``checkpoint verify``.
+"""The ``offload`` console script: ``doctor``, ``bench nvme|adam|step|pipeline``, ``plan``, ``finetune``, ``checkpoint verify``.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up and turns user mistakes
@@ -29,6 +29,8 @@ BENCH_COMMANDS = {
     "nvme": ("offload.bench.nvme", "NVMe throughput through the engine (and fio beside it)"),
     "adam": ("offload.bench.adam", "CPU Adam parameters/s against torch and the memory roofline"),
     "step": ("offload.bench.step", "an offloaded training step against its lower bound"),
+    "pipeline": ("offload.bench.pipeline", "pipeline stages: bubble per schedule, step vs data parallelism, "
+                 "activation memory per stage"),
 }
 
 
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text)
-    bench = sub.add_parser("bench", help="benchmarks: nvme, adam, step", description="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks: nvme, adam, step, pipeline", description="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
     bench_sub.required = True
     for name, (module, help_text) in BENCH_COMMANDS.items():

@@ -21,6 +21,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 EVICTIONS = ("next_use", "lru")
 ACTIVATION_OFFLOADS = ("none", "cpu", "nvme", "auto")
+ACTIVATION_ORDERS = ("auto", "reverse", "micro-batches")
 CHUNK_QUANTUM = 2048
 """Chunk sizes are multiples of this many elements: whole 4 KiB blocks (O_DIRECT) at any dtype."""
 DIRECT_IO_ALIGNMENT = 4096
@@ -141,6 +142,11 @@ class OffloadConfig:
     checkpointing, the lm_head input); None: checkpoint boundaries only."""
     activation_prefetch: int = 4
     """Offloaded tensors brought back ahead of the backward that needs them (reverse forward order)."""
+    activation_backward_order: str = "auto"
+    """The order backward takes forwards' parked tensors in: "reverse" (each forward's backward comes
+    before the next forward), "micro-batches" (several forwards in flight, their backwards in forward
+    order: pipeline schedules), or "auto" ("micro-batches" under ``offload.pipeline.StagedModel``, else
+    "reverse"). Spills and read-backs follow it."""
 
     def __post_init__(self) -> None:
         _choice(self.device, "device", DEVICES)
@@ -171,6 +177,7 @@ class OffloadConfig:
         if self.activation_min_bytes is not None:
             _int_in(self.activation_min_bytes, "activation_min_bytes", 0)
         _int_in(self.activation_prefetch, "activation_prefetch", 0, 1 << 20)
+        _choice(self.activation_backward_order, "activation_backward_order", ACTIVATION_ORDERS)
         if self.activation_offload == "nvme" and self.nvme_paths is None:
             raise ConfigError("activation_offload", "nvme", "spills to NVMe: give nvme_paths (or use 'cpu')")
         if isinstance(self.aio, dict):

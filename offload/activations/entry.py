@@ -25,6 +25,7 @@ class Entry:
     stride: tuple
     dtype: torch.dtype
     nbytes: int
+    micro_batch: int = 0                 # the forward that saved it (``order``: when backward needs it)
     pending: bool = True
     parked: bool = False
     host: torch.Tensor | None = None

@@ -1,10 +1,12 @@
 """Where parked activations' bytes are: the CPU area, NVMe, and back on the device for backward.
 
-Order and overlap. Entries are numbered in the order forward saved them: that is the trace, and
-backward needs them in the reverse order. At the end of forward, and at every unpack, the next
-``prefetch`` entries below are brought back ahead of need: NVMe reads started into the area, and
-with CUDA streams the uploads started on the host-to-device copy stream. When the area is full
-(``"nvme"``), the entries backward needs last — the earliest saved — are written out to NVMe,
+Order and overlap. Entries are numbered in the order forward saved them, and tagged with the
+micro-batch (forward) that saved them; ``order.need_key`` says when backward needs each (within a
+micro-batch, in the reverse of the saving order; across micro-batches, by the ``order`` given). At
+the end of forward, and at every unpack, the next ``prefetch`` entries backward needs are brought
+back ahead of need: NVMe reads started into the area, and with CUDA streams the uploads started on
+the host-to-device copy stream. When the area is full (``"nvme"``), the entries backward needs
+last (one forward at a time: the earliest saved; pipelined micro-batches: the newest's) are written out to NVMe,
 asynchronously, and their area buffers are reused once the writes land. Under ``"cpu"`` a tensor
 that finds no room stays on the device (counted as ``kept``): the area never exceeds its budget.
 
@@ -29,6 +31,7 @@ import torch
 from ..errors import OffloadError
 from .area import ActivationArea
 from .entry import Entry
+from .order import check_order, need_key
 from .spill import ALIGN, SpillSpace
 
 # Start writing the earliest entries out once the area is fuller than this (nvme): the writes
@@ -41,7 +44,7 @@ class Parking:
     """The parked entries of one store, by forward order (``seq``), and their copies and I/O."""
 
     def __init__(self, device: torch.device, area: ActivationArea, tier: str, streams: Callable[[], object],
-                 spill: SpillSpace | None, prefetch: int, tracer):
+                 spill: SpillSpace | None, prefetch: int, tracer, order: str = "reverse"):
         self.device = device
         self.area = area
         self.tier = tier
@@ -49,6 +52,7 @@ class Parking:
         self.spill = spill
         self.prefetch_depth = prefetch
         self.tracer = tracer
+        self.order = check_order(order)
         self.entries: dict[int, Entry] = {}          # parked and live, by seq
         self.moved = dict.fromkeys(DIRECTIONS, 0)
         self.wait_s = 0.0
@@ -56,7 +60,7 @@ class Parking:
     def park(self, e: Entry, t: torch.Tensor) -> bool:
         """Copy ``t`` (``e``'s tensor) into the area; False when there is no room for it."""
         self._reap()
-        host = self._room(-(-e.nbytes // ALIGN) * ALIGN, below=None)
+        host = self._room(-(-e.nbytes // ALIGN) * ALIGN, after=None)
         if host is None:
             return False
         e.host, e.device, e.parked = host, None, True
@@ -86,16 +90,21 @@ class Parking:
 
     def fetch(self, e: Entry) -> tuple[torch.Tensor, object]:
         """``e``'s tensor on the device and the fence of its upload (None: nothing to wait for);
-        the next entries below it start on their way back."""
+        the entries backward needs next start on their way back."""
         if e.device is None:
             self._bring_back(e, urgent=True)
         upload, out = e.upload, e.device
-        self._prefetch_below(e.seq)
+        self._prefetch_after(self.key(e))
         return out, upload
 
-    def end_forward(self, seq: int) -> None:
+    def end_forward(self) -> None:
+        """A forward ended: the entries backward needs first start on their way back."""
         self._reap()
-        self._prefetch_below(seq)
+        self._prefetch_after(None)
+
+    def key(self, e: Entry) -> tuple[int, int]:
+        """When backward needs ``e``: a smaller key, sooner (``order.need_key``)."""
+        return need_key(self.order, e.micro_batch, e.seq)
 
     def forget(self, e: Entry) -> None:
         """Let go of a parked entry's area bytes, NVMe range and device copy, each once the copy or
@@ -120,10 +129,10 @@ class Parking:
         self.wait_s = 0.0
         return out
 
-    def _room(self, nbytes_: int, below: int | None, for_entry: Entry | None = None) -> torch.Tensor | None:
+    def _room(self, nbytes_: int, after: tuple | None, for_entry: Entry | None = None) -> torch.Tensor | None:
         """An area buffer of ``nbytes_``, spilling the earliest entries to NVMe ("nvme") to make
-        room; None when it cannot be had. ``below``: only entries saved before this one may be
-        spilled (in backward, the ones needed after the one being brought back). ``for_entry``:
+        room; None when it cannot be had. ``after``: only entries backward needs after this key
+        may be spilled (the ones needed after the one being brought back). ``for_entry``:
         the entry backward needs now: any other may make room for it (backward does not always
         take saved tensors in exactly the reverse order they were saved)."""
         area = self.area
@@ -137,14 +146,14 @@ class Parking:
             landing = sum(e.host.numel() for e in writing)
             if self.tier == "nvme" and landing < area.tier.shortfall(nbytes_):
                 # A prefetch never drops another read-back copy (they would take turns being read).
-                victim = self._spill_victim(below, reread=for_entry is not None)
+                victim = self._spill_victim(after, reread=for_entry is not None)
                 if victim is None and for_entry is not None:
                     victim = self._spill_victim(None, exclude=for_entry)
                 if victim is not None:
                     self._make_room_from(victim)
                     continue
             if writing:
-                self._finish_write(min(writing, key=lambda x: x.seq), wait=True)
+                self._finish_write(max(writing, key=self.key), wait=True)       # spilled first
                 continue
             uploading = [e for e in self.entries.values() if e.host is not None and e.upload is not None]
             if uploading:
@@ -152,19 +161,18 @@ class Parking:
                 continue
             reading = [e for e in self.entries.values() if e.read is not None and e is not for_entry]
             if for_entry is not None and reading:
-                self._finish_read(min(reading, key=lambda x: x.seq), wait=True)   # then it can go
+                self._finish_read(max(reading, key=self.key), wait=True)   # then it can go
                 continue
             return None
         return area.allocate(nbytes_)
 
-    def _spill_victim(self, below: int | None, exclude: Entry | None = None, reread: bool = True) -> Entry | None:
-        """The entry backward needs last among those whose area bytes could go: the earliest
-        saved (before ``below``) that is in the area alone, or (``reread``) whose NVMe copy is
-        already there."""
+    def _spill_victim(self, after: tuple | None, exclude: Entry | None = None, reread: bool = True) -> Entry | None:
+        """The entry backward needs last among those whose area bytes could go (needed after
+        ``after``): in the area alone, or (``reread``) with its NVMe copy already there."""
         cands = [e for e in self.entries.values() if e.host is not None and e.write is None and e.read is None
-                 and e.device is None and (below is None or e.seq < below) and e is not exclude
+                 and e.device is None and (after is None or self.key(e) > after) and e is not exclude
                  and (reread or e.slot is None)]
-        return min(cands, key=lambda x: x.seq) if cands else None
+        return max(cands, key=self.key) if cands else None
 
     def _make_room_from(self, e: Entry) -> None:
         if e.slot is not None:
@@ -205,7 +213,7 @@ class Parking:
         return True
 
     def _start_read(self, e: Entry, urgent: bool) -> bool:
-        host = self._room(e.slot.nbytes, below=e.seq, for_entry=e if urgent else None)
+        host = self._room(e.slot.nbytes, after=self.key(e), for_entry=e if urgent else None)
         if host is None:
             return False
         e.host = host
@@ -293,12 +301,12 @@ class Parking:
             if name == "host_ready":
                 e.host_ready = None
 
-    def _prefetch_below(self, seq: int) -> None:
+    def _prefetch_after(self, key: tuple | None) -> None:
+        """Bring back the next ``prefetch`` entries backward needs after ``key`` (None: from the first)."""
         if self.prefetch_depth == 0:
             return
         started = 0
-        for s in sorted((s for s in self.entries if s < seq), reverse=True):
-            e = self.entries[s]
+        for e in sorted((e for e in self.entries.values() if key is None or self.key(e) > key), key=self.key):
             if e.device is None and not self._bring_back(e, urgent=False):
                 return
             started += 1

@@ -15,6 +15,13 @@ checkpointed layer is given) is parked once: later packs of the same live, unmod
 its entry, which takes the place of the last one in the order. An entry lives until the last
 ``SavedActivation`` of it is freed by autograd (after the backward that used it, or with the graph);
 its device copy lives as long, exactly as the original would have.
+
+Each forward is a micro-batch (numbered from 0 as forwards start); ``order`` says in which order
+backward takes micro-batches (``order.py``: "reverse", one forward at a time; "micro-batches",
+pipeline schedules with several in flight). ``resident_peak`` is the most bytes of saved tensors
+this store held on the compute device at once (pending, kept, read back, or a parked one's source
+until its download has read it), sampled where it peaks: as each forward ends and as backward
+takes each parked tensor (a scan of the live entries: not on every pack).
 """
 
 from __future__ import annotations
@@ -40,11 +47,12 @@ class ActivationStore:
     ``streams``: returns the chunk store's copy streams (None: synchronous copies). ``spill`` is
     needed for "nvme". ``min_bytes``: also park saved tensors that are not checkpoint boundaries
     when at least this big (None: boundaries only). ``boundaries`` is fed by the engine's hooks.
+    ``order``: "reverse" or "micro-batches" (``order.py``).
     """
 
     def __init__(self, device: torch.device, area: ActivationArea, *, tier: str = "cpu",
                  streams: Callable[[], object] = lambda: None, spill: SpillSpace | None = None,
-                 min_bytes: int | None = None, prefetch: int = 4, tracer=None):
+                 min_bytes: int | None = None, prefetch: int = 4, tracer=None, order: str = "reverse"):
         if tier not in ("cpu", "nvme"):
             raise OffloadError(f"activation tier must be 'cpu' or 'nvme', not {tier!r}")
         if tier == "nvme" and spill is None:
@@ -55,10 +63,13 @@ class ActivationStore:
         self.streams = streams
         self.spill = spill
         self.min_bytes = min_bytes
-        self.parking = Parking(self.device, area, tier, streams, spill, prefetch, tracer)
+        self.parking = Parking(self.device, area, tier, streams, spill, prefetch, tracer, order)
         self.lock = threading.RLock()
         self.by_key: dict[tuple, Entry] = {}          # every live entry (pending and kept too)
         self._seq = 0
+        self.micro_batch = -1                          # the forward running (or last run)
+        self.live: set[Entry] = set()                  # every entry not yet released
+        self.resident_peak = 0
         self.boundaries = BoundaryFinder(self.claim)
         self.kept_bytes = 0
         self.packed = 0
@@ -90,10 +101,12 @@ class ActivationStore:
                 # Backward first needs it where it was saved last: it moves to that place in the order.
                 self.shared += e.parked
                 self.parking.renumber(e, self._seq)
+                e.micro_batch = max(self.micro_batch, 0)
             else:
-                e = Entry(self._seq, size, stride, t.dtype, nbytes(t), key=key,
+                e = Entry(self._seq, size, stride, t.dtype, nbytes(t), key=key, micro_batch=max(self.micro_batch, 0),
                           version=t._version, origin=weakref.ref(origin), device=t)
                 self.by_key[key] = e
+                self.live.add(e)
             self._seq += 1
             if e.pending:
                 if self.boundaries.after_no_grad:        # a reentrant checkpoint saving its inputs
@@ -134,13 +147,16 @@ class ActivationStore:
             if not e.parked:
                 return e.device            # never left the device
             out, upload = self.parking.fetch(e)
+            self._note_resident()
         streams = self.streams()
         if upload is not None and streams is not None:
             streams.compute_wait(upload)
         return out
 
     def begin_forward(self) -> None:
-        self.boundaries.reset()
+        with self.lock:
+            self.boundaries.reset()
+            self.micro_batch += 1
 
     def end_forward(self) -> None:
         """Forward is done: start bringing back what backward needs first (the last saved). What is
@@ -148,7 +164,8 @@ class ActivationStore:
         with self.lock:
             self.boundaries.reset()
             self.forwards += 1
-            self.parking.end_forward(self._seq)
+            self.parking.end_forward()
+            self._note_resident()
 
     # ---- lifetime ------------------------------------------------------------------------------
     def _drop_handle(self, e: Entry) -> None:
@@ -163,6 +180,7 @@ class ActivationStore:
         if e.released:
             return
         e.released = True
+        self.live.discard(e)
         if self.by_key.get(e.key) is e:
             del self.by_key[e.key]
         if e.parked:
@@ -176,6 +194,14 @@ class ActivationStore:
             self.parking.close()
 
     # ---- statistics ----------------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        """Bytes of saved tensors this store holds on the compute device now."""
+        with self.lock:
+            return sum(e.nbytes for e in self.live if e.device is not None or e.source is not None)
+
+    def _note_resident(self) -> None:
+        self.resident_peak = max(self.resident_peak, self.resident_bytes())
+
     def take_stats(self) -> dict:
         """Bytes moved per direction, tensors parked, checkpoint boundaries found, and the area's
         peak since the last call. ``nothing_parked``: forwards ran and none parked anything (then a
@@ -186,9 +212,12 @@ class ActivationStore:
                    "boundaries": self.found, "kept_on_device_bytes": self.kept_bytes,
                    "area_budget": self.area.budget, "area_peak": self.area.take_peak(),
                    "area_in_use": self.area.in_use, "nvme_bytes": self.spill.size if self.spill is not None else 0,
-                   "wait_s": wait_s, "live": len(self.entries),
+                   "wait_s": wait_s, "live": len(self.entries), "order": self.parking.order,
+                   "resident_peak": self.resident_peak,
                    "nothing_parked": self.forwards > 0 and self.packed == 0 and self.shared == 0}
             self.kept_bytes = self.packed = self.shared = self.found = self.forwards = 0
+            self.resident_peak = 0
+            self._note_resident()
         if out["nothing_parked"] and not self._warned:
             self._warned = True
             warnings.warn(nothing_parked_message(out, self.min_bytes), RuntimeWarning, stacklevel=3)

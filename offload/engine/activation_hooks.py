@@ -30,6 +30,7 @@ def make_activation_store(config, device: torch.device, budget: int, store, trac
             raise ConfigError("activation_offload", config.activation_offload, "spills to NVMe: give nvme_paths")
         spill = SpillSpace(nvme.dirs, nvme.aio, nvme.prefix)
     streams = store.streams
+    order = config.activation_backward_order
     return ActivationStore(device, area, tier=tier, streams=lambda: streams, spill=spill,
                            min_bytes=config.activation_min_bytes, prefetch=config.activation_prefetch,
-                           tracer=tracer)
+                           tracer=tracer, order="reverse" if order == "auto" else order)

@@ -1,7 +1,8 @@
 """Where to cut a chain of layers into pipeline stages: contiguous runs of about equal cost.
 
 The cost of a unit is its parameter count (what a stage holds, streams from CPU / NVMe and
-updates with its CPU Adam); the cut minimises the costliest stage (the pipeline runs at the pace
+updates with its CPU Adam) or its measured forward + backward time (``timing.unit_costs``); the
+cut minimises the costliest stage (the pipeline runs at the pace
 of its slowest stage), exactly, by dynamic programming over the prefix sums (a model has at most a
 few hundred units).
 """
@@ -13,7 +14,7 @@ from typing import Sequence
 from ..errors import ConfigError
 
 
-def cut(costs: Sequence[int], stages: int) -> list[tuple[int, int]]:
+def cut(costs: Sequence[float], stages: int) -> list[tuple[int, int]]:
     """``stages`` contiguous ``[lo, hi)`` ranges of the units whose ``costs`` are given, none empty,
     with the largest total cost as small as it can be (ties: earlier stages take fewer units)."""
     n = len(costs)

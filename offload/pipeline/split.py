@@ -2,7 +2,8 @@
 
 A model is seen as a chain of *units*: the token embedding, each decoder layer, then the final
 norm with the LM head. ``split_llama`` / ``split_hf`` cut the chain into ``stages`` contiguous
-runs balanced by parameter count (``balance.cut``) and return one ``nn.Module`` per stage,
+runs balanced by parameter count or by measured forward + backward time (``balance.cut`` over
+``timing.unit_costs``: ``balance="params" | "time"`` or the costs themselves) and return one ``nn.Module`` per stage,
 built from the model's own submodules (the same parameter objects, so a model initialised or
 loaded once is cut without copying). Stage ``s`` maps what stage ``s - 1`` returned (token ids
 for the first) to hidden states, or to logits for the last; the rotary tables are recomputed per
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..errors import ConfigError, UnsupportedError
 from .balance import cut
+from .timing import unit_costs
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,8 @@ def _refuse_tied(embed: nn.Module, head: nn.Module) -> None:
             "tie_word_embeddings=False for an HF config) to cut it into stages")
 
 
-def plan(costs: list[int], stages: int) -> list[StageSpec]:
-    """The stages of a chain of units with ``costs`` (parameters), balanced."""
+def plan(costs: list[float], stages: int) -> list[StageSpec]:
+    """The stages of a chain of units with ``costs`` (parameters or seconds), balanced."""
     return [StageSpec(i, stages, lo, hi) for i, (lo, hi) in enumerate(cut(costs, stages))]
 
 
@@ -105,11 +107,23 @@ class LlamaStage(nn.Module):
         return x
 
 
-def split_llama(model, stages: int) -> list[LlamaStage]:
-    """``offload.models.LlamaForCausalLM`` cut into ``stages`` balanced stage modules."""
+def _probe_ids(embed: nn.Module, vocab_size: int, probe: tuple[int, int]):
+    def make() -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab_size, probe, generator=gen).to(embed.weight.device)
+    return make
+
+
+def split_llama(model, stages: int, *, balance="params", probe: tuple[int, int] = (1, 128)) -> list[LlamaStage]:
+    """``offload.models.LlamaForCausalLM`` cut into ``stages`` balanced stage modules. ``balance``:
+    "params", "time" (each unit timed on a ``probe`` = (batch, seq) batch of token ids, before
+    the model is wrapped), or one cost per unit (``timing.unit_costs``)."""
     m = model.model
     _refuse_tied(m.embed_tokens, model.lm_head)
     costs = [_params(m.embed_tokens), *(_params(layer) for layer in m.layers), _params(m.norm, model.lm_head)]
+    n = len(costs)
+    costs = unit_costs(balance, costs, lambda i: LlamaStage(model, StageSpec(i, n, i, i + 1)),
+                       _probe_ids(m.embed_tokens, model.config.vocab_size, probe))
     return [LlamaStage(model, spec) for spec in plan(costs, stages)]
 
 
@@ -158,8 +172,9 @@ class HFStage(nn.Module):
         return x
 
 
-def split_hf(model, stages: int) -> list[HFStage]:
-    """An HF causal LM of the LLaMA family cut into ``stages`` balanced stage modules."""
+def split_hf(model, stages: int, *, balance="params", probe: tuple[int, int] = (1, 128)) -> list[HFStage]:
+    """An HF causal LM of the LLaMA family cut into ``stages`` balanced stage modules (``balance``
+    and ``probe``: as ``split_llama``'s)."""
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
             or not hasattr(model, "lm_head"):
@@ -169,4 +184,7 @@ def split_hf(model, stages: int) -> list[HFStage]:
     _refuse_tied(inner.embed_tokens, model.lm_head)
     costs = [_params(inner.embed_tokens), *(_params(layer) for layer in inner.layers),
              _params(inner.norm, model.lm_head)]
+    n = len(costs)
+    costs = unit_costs(balance, costs, lambda i: HFStage(model, StageSpec(i, n, i, i + 1)),
+                       _probe_ids(inner.embed_tokens, model.config.vocab_size, probe))
     return [HFStage(model, spec) for spec in plan(costs, stages)]

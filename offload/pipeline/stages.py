@@ -120,7 +120,11 @@ class StagedModel:
                               f"schedule {schedule} over {self.pp} pipeline ranks needs "
                               f"{'a multiple of' if multi_stage(schedule) else 'exactly'} {self.pp} stages "
                               f"(offload.pipeline.stage_count)")
-        self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches)
+        # Several micro-batches in flight, their backwards in forward order: parked activations
+        # spill and come back by that order (offload.activations.order).
+        order = config.activation_backward_order
+        self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches,
+                                          activation_backward_order="micro-batches" if order == "auto" else order)
         self.micro_batches = micro_batches
         self.schedule_name, self.dp = schedule, dist.get_world_size(dp_group)
         # every stage's units and parameter names (split_llama / split_hf record them): what a

@@ -97,4 +97,5 @@ def main(spec: dict) -> dict:
     stats = [mod.offload_stats() for mod in staged.modules]
     return {"losses": losses, "state": state, "stages": staged.indices,
             "moved": [s.get("moved_bytes", {}) for s in stats],
-            "hit_rate": [s.get("prefetch_hit_rate") for s in stats]}
+            "hit_rate": [s.get("prefetch_hit_rate") for s in stats],
+            "activations": [s.get("activations") for s in stats]}

@@ -28,7 +28,7 @@ def test_help_shows_no_rest_markup():
         seen.append(" ".join(path))
     assert {"offload", "offload bench nvme", "offload checkpoint verify"} <= set(seen)
     top = build_parser().format_help()
-    assert "'offload' console script: 'doctor', 'bench nvme|adam|step'" in " ".join(top.split())
+    assert "'offload' console script: 'doctor', 'bench nvme|adam|step|pipeline'" in " ".join(top.split())
 
 
 def test_help_on_the_command_line_has_no_rest_markup(capsys):
