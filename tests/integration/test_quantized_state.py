@@ -12,6 +12,7 @@ import offload
 from offload.errors import ConfigError
 from offload.optim.quantized import qmap
 from tests.helpers.flat8 import Flat8Adam
+from tests.helpers.ranks import launch
 from tests.helpers.reference import LR, WD, make_models, small_config
 from tests.helpers.tiny_gpt import batches
 
@@ -113,3 +114,30 @@ def test_precision_is_checked_by_name(disk_tmp):
     model = offload.wrap(make_models()[1], small_config(disk_tmp))
     with pytest.raises(ConfigError, match="optimizer_state='8bit'"):
         offload.AdamW(model.parameters(), state="8bit")
+
+
+@pytest.mark.parametrize("case", ["bf16 compute, bf16 master"])
+def test_two_ranks_with_8bit_state_train_bit_for_bit_like_one_process(tmp_path, case):
+    """2 gloo ranks, NVMe forced, each keeping and updating its piece of every chunk (whole
+    256-element blocks: the pieces' quantum) against one process. Every rank takes the same
+    slice of each batch, so the averaged gradient is exactly one process's (a mean of equal
+    values) and any difference would be the sliced 8-bit state's own."""
+    cfg = dict(device="cpu", device_budget="320KiB", cpu_budget="96KiB", nvme_paths=[str(tmp_path / "nvme-{rank}")],
+               chunk_size=6144, **CASES[case])
+    out = {}
+    for world in (1, 2):
+        spec = {"steps": 5, "out": str(tmp_path / f"w{world}"), "config": cfg, "batch": 4, "replicate": 2}
+        (tmp_path / f"run{world}").mkdir()
+        results = launch("tests.helpers.dp_worker:main", spec, world, tmp_path / f"run{world}", timeout_s=240)
+        for r in results:
+            if r.returncode != 0:
+                pytest.fail(f"rank {r.rank} of {world} exited with {r.returncode}:\n{r.output[-3000:]}")
+        out[world] = [torch.load(tmp_path / f"w{world}.rank{r}.pt") for r in range(world)]
+    one = out[1][0]
+    for r, o in enumerate(out[2]):
+        assert o["losses"] == one["losses"], r
+        for name, value in one["state"].items():
+            assert torch.equal(o["state"][name], value), (r, name)
+        # 6144 elements in 2 pieces of 3072 = 12 whole blocks each; the rank spilled its pieces
+        assert all((hi - lo) % 256 == 0 for lo, hi in o["spans"]), o["spans"]
+        assert o["stats"][-1]["memory"]["tiers"]["nvme"]["bytes_by_kind"].get("exp_avg_absmax"), r
