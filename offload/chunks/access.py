@@ -135,6 +135,11 @@ class ChunkAccess(Protocol):
         dtype; ``"master"`` is there when some chunk is trainable and compute is not fp32."""
 
     @property
+    def precision(self) -> Mapping[str, object]:
+        """The optimizer state's precision: ``{"optimizer_state": "fp32" | "8bit", "master": "fp32" |
+        "bf16", "block_size": 256}`` (what a checkpoint records of it)."""
+
+    @property
     def sharding(self) -> "Sharding | None":
         """This rank's place among the data-parallel ranks (None in a single process)."""
 
