@@ -19,6 +19,8 @@ from tests.helpers.tiny_gpt import batches
 pytestmark = pytest.mark.slow
 
 CASES = {"fp32 compute": dict(dtype="fp32", optimizer_state="8bit"),
+         "bf16 moments, bf16 master": dict(dtype="bf16", optimizer_state="bf16", master="bf16"),
+         "fp32 moments, bf16 master": dict(dtype="bf16", master="bf16"),
          "bf16 compute, bf16 master": dict(dtype="bf16", optimizer_state="8bit", master="bf16"),
          "bf16 compute, fp32 master": dict(dtype="bf16", optimizer_state="8bit")}
 
@@ -43,13 +45,15 @@ def test_8bit_engine_matches_the_scheme_on_flat_chunks(disk_tmp, case):
     ref, mine = make_models()
     # Budgets below even the compressed state: it goes to NVMe and back every step.
     model = offload.wrap(mine, small_config(disk_tmp, device_budget="96KiB", cpu_budget="128KiB", chunk_size=4096, **kw))
-    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, state="8bit", master=kw.get("master"))
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, state=kw.get("optimizer_state", "fp32"),
+                        master=kw.get("master"))
     engine = model.offload_engine
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[kw["dtype"]]
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ref = ref.to(compute)
     master = torch.bfloat16 if kw.get("master") == "bf16" else torch.float32
-    flat = Flat8Adam(ref, engine.chunks.layout, master, lr=LR, weight_decay=WD, initial=initial)
+    flat = Flat8Adam(ref, engine.chunks.layout, master, lr=LR, weight_decay=WD, initial=initial,
+                     moments=kw.get("optimizer_state", "fp32"))
     got = train(model, opt, STEPS)
     want = train(ref, flat, STEPS)
     assert got == want
@@ -59,8 +63,11 @@ def test_8bit_engine_matches_the_scheme_on_flat_chunks(disk_tmp, case):
     kinds = {k[0] for k in engine.store.records}
     assert ("master" in kinds) == (kw["dtype"] == "bf16" and master == torch.float32)
     report = engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
-    assert report.get("exp_avg_absmax") and report.get("exp_avg"), report       # the 8-bit state spilled
-    assert engine.store.records[("exp_avg", 0)].dtype == torch.uint8
+    assert report.get("exp_avg"), report       # the state spilled
+    quantized = kw.get("optimizer_state") == "8bit"
+    assert bool(report.get("exp_avg_absmax")) == quantized
+    want = {"8bit": torch.uint8, "bf16": torch.bfloat16}.get(kw.get("optimizer_state"), torch.float32)
+    assert engine.store.records[("exp_avg", 0)].dtype == want
 
 
 def test_state_dict_dequantised_round_trip_with_torch_adamw(disk_tmp):
@@ -106,11 +113,6 @@ def test_precision_is_checked_by_name(disk_tmp):
         offload.OffloadConfig(optimizer_state="int4")
     with pytest.raises(ConfigError, match="master"):
         offload.OffloadConfig(dtype="fp32", master="bf16")
-    _, mine = make_models()
-    with pytest.raises(ConfigError, match="8bit"):
-        offload.wrap(mine, small_config(disk_tmp, dtype="bf16", master="bf16"))
-    with pytest.raises(ConfigError, match="bf16 moments"):
-        offload.wrap(make_models()[1], small_config(disk_tmp, optimizer_state="bf16"))
     model = offload.wrap(make_models()[1], small_config(disk_tmp))
     with pytest.raises(ConfigError, match="optimizer_state='8bit'"):
         offload.AdamW(model.parameters(), state="8bit")

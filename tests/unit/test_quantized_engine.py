@@ -29,10 +29,12 @@ def test_kinds_and_bytes_per_precision():
     # One chunk's update pinned together: at fp32 state exactly what the budgets always counted.
     assert fp32.update_bytes(4096) == 4096 * (4 + 4 + 4 + 4 + 2)
     assert q.update_bytes(4096) == 4096 * (4 + 2 + 1 + 1) + 2 * 16 * 4
-    with pytest.raises(ConfigError, match="bf16 moments"):
-        StatePrecision.of(OffloadConfig(optimizer_state="bf16"), torch.bfloat16)
+    b16 = StatePrecision.of(OffloadConfig(optimizer_state="bf16"), torch.bfloat16)
+    assert b16.state_kinds() == {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
+    assert b16.state_bytes() == 4 + 4 and b16.quantum == 1
+    assert StatePrecision.of(OffloadConfig(master="bf16"), torch.bfloat16).state_bytes() == 8
     with pytest.raises(ConfigError, match="master"):
-        StatePrecision.of(OffloadConfig(master="bf16"), torch.bfloat16)
+        StatePrecision.of(OffloadConfig(dtype="fp16", master="bf16"), torch.float32)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 16])
