@@ -92,3 +92,29 @@ def test_a_fresh_moment_chunk_holds_the_code_of_zero():
     for signed in (True, False):
         codes, absmax = quantize(torch.zeros(BLOCK_SIZE), signed)
         assert torch.all(codes == zero_code(signed)) and torch.all(absmax == 0)
+
+
+def test_a_parameter_without_gradient_sharing_a_block_keeps_its_values():
+    """One run [0, 300) beside a parameter [300, 1024) that got no gradient: the run's blocks are
+    updated in fp32 and quantised again; the other parameter's master is untouched and its
+    moments change only by the re-rounding under its blocks' new scales (at most one code step
+    of the map: the widest gap, times the scale)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1024
+    master = torch.randn(n, generator=gen) * 0.1
+    grad = torch.randn(n, generator=gen) * 1e-2
+    state = _state(n, torch.Generator().manual_seed(1))
+    before_m = dequantize(state[0], state[2], True)
+    h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+    new = master.clone()
+    update_8bit(new, grad, state, None, [(0, 300, h, 1)], [(None, 0, 300), (None, 300, 1024)],
+                index_base=0, grad_scale=1.0, threads=1)
+    assert torch.equal(new[300:], master[300:])
+    assert not torch.equal(new[:300], master[:300])
+    after_m = dequantize(state[0], state[2], True)
+    from offload.optim.quantized import qmap
+    signed = qmap(True)
+    gap = float((signed[1:] - signed[:-1]).max())
+    scale = float(state[2].max().clamp(min=before_m.abs().max()))
+    assert (after_m[512:] == before_m[512:]).all()          # blocks the run never touched: not requantised
+    assert (after_m[300:512] - before_m[300:512]).abs().max() <= gap * scale
