@@ -1,4 +1,6 @@
-"""The per-chunk optimizer: native Adam over each chunk's fp32 master, exp_avg and exp_avg_sq.
+"""The per-chunk optimizer: native Adam over each chunk's master, exp_avg and exp_avg_sq, in the
+precision the config chose (``precision``: fp32, bf16 or 8-bit moments with their per-block
+scales, an fp32 or bf16 master; 8-bit pieces go through ``quant_step``).
 
 For chunk ``c`` (this rank's piece of it under several ranks) it pins grad/master/exp_avg/exp_avg_sq on the CPU tier (their fetches were
 started ahead), runs the SIMD kernel over runs of parameters that share hyper-parameters and
