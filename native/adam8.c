@@ -11,11 +11,14 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 
 #include "adam8_internal.h"
 
 off__qtables off__qt;
 static int tables_ok; /* every bucket holds at most one midpoint (the SIMD search's premise) */
+static int vbmi_ok;   /* the CPU runs adam8_avx512vbmi.c */
+static _Atomic int vbmi_on;
 
 /*
  * create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): for i = 0..6, the means of
@@ -95,13 +98,33 @@ __attribute__((constructor)) static void off_adam8_init(void)
         build_map(map == OFF_QMAP_SIGNED, v);
         for (int k = 0; k < 255; k++)
             off__qt.mid[map][k] = (float)(((double)v[k] + (double)v[k + 1]) * 0.5);
-        for (int k = 0; k < 256; k++)
+        for (int k = 0; k < 256; k++) {
             if (v[k] == 0.0f)
                 off__qt.zero_code[map] = (uint8_t)k;
+            for (int b = 0; b < 4; b++)
+                off__qt.planes[map][b][k] = (uint8_t)(off__f32_bits(v[k]) >> (8 * b));
+        }
         ok &= build_buckets(off__qt.mid[map], off__qt.bucket[map]);
     }
     tables_ok = ok;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    vbmi_ok = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+    atomic_store(&vbmi_on, vbmi_ok);
+#endif
 }
+
+/* Whether the AVX-512 level runs the VBMI variant (the same bits; tests turn it off to check
+ * the gather variant on a CPU that has both): 0, or -ENOTSUP to turn on where the CPU lacks it. */
+OFF_EXPORT int off_adam8_set_vbmi(int on)
+{
+    if (on && !vbmi_ok)
+        return -ENOTSUP;
+    atomic_store(&vbmi_on, on ? 1 : 0);
+    return 0;
+}
+
+OFF_EXPORT int off_adam8_vbmi(void) { return atomic_load(&vbmi_on); }
 
 OFF_EXPORT int off_qmap_values(int map, float *out)
 {
@@ -210,6 +233,10 @@ OFF_EXPORT int off_adam8_step_level(int level, const off_adam_hparams *hp, void 
         || (out_dtype != OFF_DTYPE_NONE && misaligned(out, out_dtype == OFF_DTYPE_FP32 ? 4 : 2)))
         return -EINVAL;
     job.kernel = kernels[level].adam;
+#if defined(__x86_64__)
+    if (level == OFF_SIMD_AVX512 && atomic_load(&vbmi_on))
+        job.kernel = off__adam8_avx512vbmi;
+#endif
     off__adam_fold_bc2(hp, &job.c.step_bc2, &job.c.eps_bc2);
     job.c.block = st->block;
     job.c.key = off__sr_key(seed, hp->step);

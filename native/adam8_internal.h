@@ -35,6 +35,8 @@ typedef struct off__qtables {
     float mid[2][255];
     uint32_t bucket[2][2 * OFF_QB_N];
     uint8_t zero_code[2];               /* the code of 0.0 */
+    /* planes[map][b][code]: byte b of values[map][code] (the VBMI kernel's byte permutes) */
+    uint8_t planes[2][4][256] __attribute__((aligned(64)));
 } off__qtables;
 
 extern off__qtables off__qt;
@@ -90,6 +92,8 @@ void off__adam8_avx2(const off__adam8_consts *c, const off__adam8_io *io, long l
 float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n);
 void off__adam8_avx512(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
                        long long end);
+void off__adam8_avx512vbmi(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
+                           long long end);
 float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n);
 #endif
 

@@ -118,6 +118,11 @@ int off_blockwise_quantize(int level, int map, const float *x, unsigned char *co
                            float *absmax, long long block, long long n, int threads);
 int off_blockwise_dequantize(int map, const unsigned char *codes, const float *absmax,
                              long long block, float *x, long long n);
+/* Whether the AVX-512 level's 8-bit step uses AVX-512 VBMI byte permutes (on by default where
+ * the CPU has them) or gathers: the same bits either way. Set: 0, or -ENOTSUP where the CPU
+ * lacks VBMI. */
+int off_adam8_set_vbmi(int on);
+int off_adam8_vbmi(void);
 
 /* ---- 16-bit Adam state (adam16*.c): section owned by the bf16-moment Adam kernels ----
  * The fp32 update of off_adam8_step (the denominator's bias correction folded into two

@@ -329,6 +329,16 @@ def adam8_step_raw(*, master: int, master_dtype: str, grad: int, grad_dtype: str
     check(rc, "off_adam8_step")
 
 
+def adam8_vbmi(on: bool | None = None) -> bool:
+    """Whether the AVX-512 8-bit step uses VBMI byte permutes instead of gathers (the same bits;
+    tests switch it off to check the gather variant too). ``on`` sets it first; turning it on
+    where the CPU lacks VBMI raises ``NativeError``."""
+    lib = load()[1]
+    if on is not None:
+        check(lib.off_adam8_set_vbmi(int(bool(on))), "off_adam8_set_vbmi")
+    return bool(lib.off_adam8_vbmi())
+
+
 def blockwise_quantize_raw(*, map_name: str, x: int, codes: int, absmax: int, block: int, n: int,
                            threads: int, level: str | None = None) -> None:
     """Quantise ``n`` fp32 values at ``x`` into codes and one absmax per block."""

@@ -328,3 +328,36 @@ def test_native_refuses_a_bad_block_directly():
         native.blockwise_quantize_raw(map_name="signed", x=x.data_ptr(), codes=codes.data_ptr(),
                                       absmax=x.data_ptr(), block=48, n=64, threads=1)
     assert lib.off_qmap_values(5, ffi.new("float[]", 256)) < 0
+
+
+# ---- the AVX-512 level's two variants (VBMI byte permutes, gathers) ---------------------
+
+@pytest.fixture
+def gathers_only():
+    """The AVX-512 8-bit step through gathers, as on a CPU without VBMI; restored after."""
+    before = native.adam8_vbmi()
+    native.adam8_vbmi(False)
+    yield
+    native.adam8_vbmi(before)
+
+
+@pytest.mark.skipif("avx512" not in native.simd_available(), reason="this CPU lacks avx512")
+@pytest.mark.parametrize("n", [1, 17, 63, 64, 65, 255, 256, 257, 1000])
+@pytest.mark.parametrize("master", MASTERS)
+def test_avx512_gather_variant_equals_scalar(gathers_only, n, master):
+    for grad in GRADS:
+        for out in OUTS:
+            state = make_state(n, master=master, seed=n, special=True)
+            grads = grads_for(n, 2, grad, seed=n + 1, special=True)
+            assert same_run(run(state, grads, simd="avx512", out_dtype=out),
+                            run(state, grads, simd="scalar", out_dtype=out)), (grad, out)
+
+
+def test_vbmi_switch_reports_and_refuses_what_the_cpu_lacks():
+    has = native.adam8_vbmi()
+    try:
+        assert native.adam8_vbmi(False) is False
+        if has:
+            assert native.adam8_vbmi(True) is True
+    finally:
+        native.adam8_vbmi(has)
