@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from . import grad_clip
-from .config import OffloadConfig
+from .config import MASTERS, OPTIMIZER_STATES, OffloadConfig
 from .distributed.arrival import arrive
 from .engine import OffloadEngine
 from .engine.access import engine_of
@@ -102,6 +102,18 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     engine.register_external_parameter(module, param)
 
 
+def _check_precision(config: OffloadConfig, state: str | None, master: str | None) -> None:
+    for name, given, field, have, choices in (
+            ("state", state, "optimizer_state", config.optimizer_state, OPTIMIZER_STATES),
+            ("master", master, "master", config.master, MASTERS)):
+        if given is not None and given not in choices:
+            raise ConfigError(name, given, f"must be one of {', '.join(map(repr, choices))}")
+        if given is not None and given != have:
+            raise ConfigError(name, given, f"the model was wrapped with OffloadConfig({field}={have!r}), which "
+                                           f"laid out its optimizer state: wrap it with "
+                                           f"OffloadConfig({field}={given!r}) to train with {given} {name}")
+
+
 class AdamW(CPUAdamW):
     """AdamW for offloaded models (and, for any other CPU parameters, ``CPUAdamW``).
 
@@ -110,12 +122,20 @@ class AdamW(CPUAdamW):
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), n)`` between backward and ``step()``
     (as HF Trainer and accelerate do) clips the same way (see ``offload.grad_clip``): the first
     step's update waits for it, and when that step was clipped so do the later ones.
+
+    ``state`` ("fp32" | "bf16" | "8bit") and ``master`` ("fp32" | "bf16"): the precision of the
+    Adam moments and master weights. The wrapped model's chunks are laid out for them when it is
+    wrapped, so they are set by ``OffloadConfig(optimizer_state=..., master=...)``; given here
+    they must say the same (a check, so a script states what it trains with), or ``ConfigError``.
+    ``state_dict()`` holds fp32 moments whatever the precision (they load into
+    ``torch.optim.AdamW``), and ``load_state_dict`` quantises what it is given.
     """
 
     _decoupled_default = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, max_grad_norm: float | None = None, **kwargs):
+                 amsgrad=False, *, max_grad_norm: float | None = None, state: str | None = None,
+                 master: str | None = None, **kwargs):
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ConfigError("max_grad_norm", max_grad_norm, "must be a positive number or None")
         self.max_grad_norm = max_grad_norm
@@ -134,6 +154,8 @@ class AdamW(CPUAdamW):
                 e = engine_of(p)
                 if e is not None and e not in self._engines:
                     self._engines.append(e)
+        for e in self._engines:
+            _check_precision(e.config, state, master)
         for e in self._engines:
             e.attach_optimizer(self)
 

@@ -21,6 +21,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 AIO_BACKENDS = ("auto", "libaio", "threads")
 EVICTIONS = ("next_use", "lru")
 ACTIVATION_OFFLOADS = ("none", "cpu", "nvme", "auto")
+OPTIMIZER_STATES = ("fp32", "bf16", "8bit")
+MASTERS = ("fp32", "bf16")
 CHUNK_QUANTUM = 2048
 """Chunk sizes are multiples of this many elements: whole 4 KiB blocks (O_DIRECT) at any dtype."""
 DIRECT_IO_ALIGNMENT = 4096
@@ -141,6 +143,13 @@ class OffloadConfig:
     checkpointing, the lm_head input); None: checkpoint boundaries only."""
     activation_prefetch: int = 4
     """Offloaded tensors brought back ahead of the backward that needs them (reverse forward order)."""
+    optimizer_state: str = "fp32"
+    """Precision of the Adam moments: "fp32" (exact torch AdamW), "8bit" (block-wise dynamic
+    quantisation, 256-element blocks, one fp32 absmax per block: 1.016 B per moment element) or
+    "bf16" (2 B)."""
+    master: str = "fp32"
+    """Precision of the master weights: "fp32", or "bf16" (stochastic rounding; with dtype "bf16"
+    the compute parameters are the master and no separate copy is kept)."""
 
     def __post_init__(self) -> None:
         _choice(self.device, "device", DEVICES)
@@ -173,6 +182,11 @@ class OffloadConfig:
         _int_in(self.activation_prefetch, "activation_prefetch", 0, 1 << 20)
         if self.activation_offload == "nvme" and self.nvme_paths is None:
             raise ConfigError("activation_offload", "nvme", "spills to NVMe: give nvme_paths (or use 'cpu')")
+        _choice(self.optimizer_state, "optimizer_state", OPTIMIZER_STATES)
+        _choice(self.master, "master", MASTERS)
+        if self.master == "bf16" and self.dtype == "fp32":
+            raise ConfigError("master", "bf16", "with dtype 'fp32' the fp32 parameters are the master: a bf16 "
+                                                "master needs dtype 'bf16' (it is then the parameters) or 'fp16'")
         if isinstance(self.aio, dict):
             _set(self, "aio", _from_mapping(AioConfig, self.aio, "aio."))
         if not isinstance(self.aio, AioConfig):

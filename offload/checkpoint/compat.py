@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError, OffloadError
-from .format import DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, chunk_numel, chunk_pieces, kind_files
+from .format import (DTYPES, MANIFEST, SAVED_KINDS, check_kind_file_size, chunk_numel, chunk_pieces, kind_files,
+                     saved_precision)
 from .model_state import layout_entries, model_kinds
 from .pieces import clip, copies, tiling_error
 from .ranks import Ranks
@@ -31,6 +32,7 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
                                                         f"{manifest['dtype']!r}")
     chunks = engine.chunks
     layout = chunks.layout
+    _check_precision(chunks, manifest, ckpt)
     # The chunk size first: under another one every parameter sits elsewhere, and the fix is
     # to build the model with the checkpoint's (budgets choose it when it is "auto").
     if lay["chunk_size"] != layout.chunk_size:
@@ -60,6 +62,23 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
             raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
 
 
+def _check_precision(chunks, manifest: dict, ckpt: Path) -> None:
+    """Optimizer state of another precision is refused, not converted: the codes of 8-bit moments
+    mean nothing as fp32 and back, and a silent requantisation would change the run. The way
+    across is the optimizer's state_dict, which is fp32 at every precision."""
+    saved = saved_precision(manifest)
+    for field, mine in (("optimizer_state", chunks.precision["optimizer_state"]), ("master", chunks.precision["master"])):
+        if saved[field] != mine:
+            raise ConfigError(field, mine, f"the checkpoint {ckpt} holds {saved[field]} {field.replace('_', ' ')}: "
+                                           f"wrap the model with OffloadConfig({field}={saved[field]!r}) to resume "
+                                           f"from it, or move the state across with optimizer.state_dict() (fp32 "
+                                           f"moments at every precision) and load_state_dict")
+    block = (manifest.get("precision") or {}).get("block_size", chunks.precision["block_size"])
+    if block != chunks.precision["block_size"]:
+        raise ConfigError("block_size", chunks.precision["block_size"],
+                          f"the checkpoint {ckpt} quantised its moments in blocks of {block}")
+
+
 def _check_params(chunks, lay: dict, ckpt: Path) -> None:
     saved = {e[0]: e for e in lay["params"]}
     mine = {e[0]: e for e in layout_entries(chunks)}
@@ -83,7 +102,8 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
     dtype = model_kinds(chunks)[kind]
     layout = chunks.layout
     model = chunks.chunks()
-    bulk = layout.chunk_size * dtype.itemsize
+    per_block = max((i.blocks.get(kind, 1) for i in model), default=1)     # the scales of 8-bit moments
+    bulk = -(-layout.chunk_size // per_block) * dtype.itemsize
     if DTYPES.get(info["dtype"]) != dtype or info.get("chunk_bytes", bulk) != bulk:
         raise ConfigError("kind", kind, f"{info['dtype']} chunks of {info.get('chunk_bytes', '?')} bytes in the "
                                         f"checkpoint {ckpt}, {dtype} of {bulk} in the model")
@@ -98,7 +118,7 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
         if entry is None:
             continue
         numel = chunk_numel(info, entry)
-        if kind not in model[c].kinds or numel != model[c].numel:
+        if kind not in model[c].kinds or numel != model[c].kind_numel(kind):
             raise ConfigError("kind", kind, f"chunk {c} of the checkpoint {ckpt} does not match the "
                                             "model's (a different chunk layout or set of frozen parameters)")
         pieces = chunk_pieces(info, entry)
@@ -111,7 +131,7 @@ def _check_kind(chunks, ranks: Ranks, ckpt: Path, kind: str, info: dict, world: 
         if why is not None:
             raise OffloadError(f"{ckpt / MANIFEST}: the pieces of chunk {kind}[{c}] do not tile its {numel} "
                                f"elements: {why}")
-        mine.update(pieces[cp.piece].file for cp in copies(spans, clip(tuple(model[c].span), numel))
+        mine.update(pieces[cp.piece].file for cp in copies(spans, clip(model[c].kind_span(kind), numel))
                     if pieces[cp.piece].stored)
     # Each file is checked by a rank that reads from it, and by one rank in any case (an empty one too).
     check_kind_file_size(ckpt, kind, info, [f for i, f in enumerate(files) if f in mine or i % ranks.world == ranks.rank])

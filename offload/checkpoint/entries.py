@@ -59,20 +59,23 @@ def kind_file(kind: str, rank: int, world: int) -> str:
     return f"{kind}.bin" if world == 1 else f"{shard_dir(rank)}/{kind}.bin"
 
 
-def merge(kinds: Mapping[str, torch.dtype], numels: Sequence[int], chunk_size: int, algorithm: str,
-          shards: Sequence[RankPieces]) -> dict:
+def merge(kinds: Mapping[str, torch.dtype], numels: Sequence[int] | Mapping[str, Sequence[int]],
+          chunk_size: int | Mapping[str, int], algorithm: str, shards: Sequence[RankPieces]) -> dict:
     """The manifest's ``kinds`` from every rank's ``RankPieces`` (``shards[r]``: rank r's) of a
-    model with chunks of ``numels`` elements. ``OffloadError`` when the ranks disagree: a chunk
+    model with chunks of ``numels`` elements (per kind where kinds differ: the per-block scales of
+    8-bit moments count blocks; ``chunk_size`` too, per kind, for their bulk bytes). ``OffloadError`` when the ranks disagree: a chunk
     whose pieces do not tile a chunk (the ranks disagree on the spans)."""
     world = len(shards)
     out = {}
     for kind, dtype in kinds.items():
+        sizes = numels[kind] if isinstance(numels, Mapping) else numels
         if world == 1:
-            out[kind] = _whole(kind, dtype, numels, chunk_size, algorithm, shards[0][kind])
+            bulk = chunk_size[kind] if isinstance(chunk_size, Mapping) else chunk_size
+            out[kind] = _whole(kind, dtype, sizes, bulk, algorithm, shards[0][kind])
             continue
         files = [kind_file(kind, r, world) for r in range(world)]
         entries: list[dict | None] = []
-        for c, numel in enumerate(numels):
+        for c, numel in enumerate(sizes):
             said = [(r, shard[kind][c]) for r, shard in enumerate(shards) if c in shard[kind]]
             if all(isinstance(w, Empty) for _, w in said):
                 entries.append(None)          # no values on any rank (or not a chunk of this kind)

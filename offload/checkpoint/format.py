@@ -12,6 +12,13 @@ The manifest's ``kinds`` say where each chunk of each kind is. Three versions, a
   ``"checksum"`` algorithm; or ``{"rank", "lo", "hi", "zeros": true}``: Adam moments its rank never
   initialized while others did, nothing stored (``pieces``). The pieces of a chunk tile ``[0, numel)``.
 
+* 4 -- compressed optimizer state: the kinds as version 1 (one process) or 3 (several ranks), and
+  ``"precision": {"optimizer_state", "master", "block_size"}``. 8-bit moments: ``exp_avg`` /
+  ``exp_avg_sq`` are uint8 codes, ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` one fp32 scale per block:
+  their chunks and pieces count blocks (a chunk of ``numel`` elements has ``numel / block_size``
+  scales, rank r's piece ``[lo / block_size, hi / block_size)``: pieces are whole blocks). A bf16
+  master under bf16 compute has no ``master`` kind (the parameters are the master).
+
 ``chunk_pieces`` reads any of them as ``pieces.Piece`` lists (a whole chunk is one piece
 ``[0, numel)``), so loading and verifying treat the three alike.
 """
@@ -32,15 +39,23 @@ FORMAT = "offload-checkpoint"
 VERSION = 1            # what a single process writes: whole chunks
 SHARDED_VERSION = 2    # round-robin ranks, whole chunks in their owner's file (read, no longer written)
 SLICED_VERSION = 3     # written by several ranks: each rank's piece of every chunk in its own files
-VERSIONS = (VERSION, SHARDED_VERSION, SLICED_VERSION)
+PRECISION_VERSION = 4  # compressed optimizer state (8-bit moments, a bf16 master): versions 1/3 + its precision
+VERSIONS = (VERSION, SHARDED_VERSION, SLICED_VERSION, PRECISION_VERSION)
+FP32_STATE = {"optimizer_state": "fp32", "master": "fp32"}     # what versions 1-3 hold
 MANIFEST = "manifest.json"
 LATEST = "latest"
-SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")   # grads are never saved
+SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")   # grads never
 STEP_NAME = re.compile(r"^step-(\d+)$")
 TEMP_NAME = re.compile(r"^\.(tmp|trash)-(.+)-(\d+)$")
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.uint8: "uint8"}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def saved_precision(manifest: dict) -> dict:
+    """``{"optimizer_state", "master"}`` of a checkpoint's optimizer state (fp32 before version 4)."""
+    got = manifest.get("precision") or {}
+    return {k: got.get(k, v) for k, v in FP32_STATE.items()}
 
 
 def step_name(step: int) -> str:

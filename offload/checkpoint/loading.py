@@ -229,8 +229,8 @@ def _load_chunks(engine, manifest: dict, ckpt: Path, algorithm: str) -> None:
                 _on_engine(chunks.write, kind, c, None)
                 continue
             pieces = chunk_pieces(info, entry, algorithm)
-            lo, hi = model[c].span
-            stored = clip((lo, hi), model[c].numel)
+            lo, hi = model[c].kind_span(kind)        # in blocks for the scales of 8-bit moments
+            stored = clip((lo, hi), model[c].kind_numel(kind))
             items.append(_Fill(kind, c, pieces, copies([(p.lo, p.hi) for p in pieces], stored), (hi - lo) * itemsize,
                                stored[1] - stored[0], itemsize))
     bufs = [torch.zeros(max((it.nbytes for it in items), default=0), dtype=torch.uint8, device="cpu")

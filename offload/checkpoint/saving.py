@@ -26,7 +26,7 @@ from ..engine.access import engine_of
 from ..errors import ConfigError, OffloadError
 from .files import KindWriter, clean_stale, fsync_dir, write_file_atomic
 from .entries import Empty, RankPieces, Written, merge, saved_bytes
-from .format import (FORMAT, LATEST, MANIFEST, SLICED_VERSION, VERSION, checksum,
+from .format import (FORMAT, LATEST, MANIFEST, PRECISION_VERSION, SLICED_VERSION, VERSION, checksum,
                      checksum_algorithm, checksum_bytes, manifest_bytes, step_name)
 from .listing import list_checkpoints
 from .model_state import (foreign_optimizer_state, group_hypers, layout_entries, model_kinds, persistent_buffers,
@@ -135,8 +135,11 @@ def _commit(engine, optimizer, root: Path, tmp: Path, step: int, extra, keep, al
     manifest, the files written once, the rename into place, ``latest``, ``keep``."""
     name = step_name(step)
     chunks = engine.chunks
-    kinds = merge(model_kinds(chunks), [info.numel for info in chunks.chunks()], chunks.layout.chunk_size,
-                  algorithm, shards)
+    infos, saved = chunks.chunks(), model_kinds(chunks)
+    # Per kind: the per-block scales of 8-bit moments count blocks, not elements.
+    per_block = {kind: max((i.blocks.get(kind, 1) for i in infos), default=1) for kind in saved}
+    kinds = merge(saved, {kind: [i.kind_numel(kind) for i in infos] for kind in saved},
+                  {kind: -(-chunks.layout.chunk_size // per_block[kind]) for kind in saved}, algorithm, shards)
     manifest = _manifest(engine, optimizer, tmp, step, extra, algorithm, kinds)
     manifest["write_s"] = time.perf_counter() - t0
     write_file_atomic(tmp / MANIFEST, manifest_bytes(manifest))
@@ -166,11 +169,11 @@ def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
     # Frozen chunks have no master or optimizer state. A piece cut at the chunk's end to nothing
     # (a span wholly in the padding) is neither read nor written.
     items = [(kind, info) for kind in kinds for info in chunks.chunks()
-             if kind in info.kinds and _stored(info)[0] < _stored(info)[1]]
+             if kind in info.kinds and _stored(info, kind)[0] < _stored(info, kind)[1]]
     written: RankPieces = {kind: {} for kind in kinds}
     # chunks.staging gives whole O_DIRECT blocks: a piece read straight from NVMe brings its tail past
     # the span too (a 1/N piece need not end on a block).
-    span_bytes = max(((info.span[1] - info.span[0]) * kinds[kind].itemsize for kind, info in items), default=0)
+    span_bytes = max((info.piece_nbytes(kind) for kind, info in items), default=0)
     bufs = chunks.staging(span_bytes, count=2)
     writers: dict[str, KindWriter] = {}
 
@@ -179,16 +182,17 @@ def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
         data = chunks.read(kind, info.index, bufs[i % 2])
         if data is None:
             return None
-        lo, hi = _stored(info)
-        if data.numel() != info.span[1] - info.span[0]:
+        lo, hi = _stored(info, kind)
+        span = info.kind_span(kind)
+        if data.numel() != span[1] - span[0]:
             raise OffloadError(f"chunk {kind}[{info.index}] read {data.numel()} elements for this rank's span "
-                               f"{tuple(info.span)}")
+                               f"{span}")
         data = data[:hi - lo]         # the padding past the chunk's end is not stored
         return data, checksum(algorithm, data)
 
     def consume(i, result):
         kind, info = items[i]
-        lo, hi = _stored(info)
+        lo, hi = _stored(info, kind)
         if result is None:      # it holds nothing (Adam moments before this piece's first update)
             written[kind][info.index] = Empty(lo=lo, hi=hi)
             return
@@ -208,18 +212,22 @@ def _write_chunks(engine, where: Path, algorithm: str) -> RankPieces:
     return written
 
 
-def _stored(info) -> tuple[int, int]:
-    """The elements of chunk ``info`` this rank stores: its span cut at the chunk's end."""
-    return clip(tuple(info.span), info.numel)
+def _stored(info, kind: str) -> tuple[int, int]:
+    """The elements of chunk ``info``'s ``kind`` this rank stores: its span cut at the chunk's end
+    (in blocks for a kind of per-block scales)."""
+    return clip(info.kind_span(kind), info.kind_numel(kind))
 
 
 def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, kinds: dict) -> dict:
     layout, state = engine.chunks.layout, engine.chunks.step_state()
     total = saved_bytes(kinds)
     world = Ranks.of(engine).world
+    # fp32 state keeps the former versions byte for byte; compressed state says what it is.
+    precision = engine.chunks.precision if engine.chunks.precision["optimizer_state"] != "fp32" or \
+        engine.chunks.precision["master"] != "fp32" else None
     manifest = {
         "format": FORMAT,
-        "version": SLICED_VERSION if world > 1 else VERSION,
+        "version": PRECISION_VERSION if precision is not None else SLICED_VERSION if world > 1 else VERSION,
         "step": step,
         "created": time.time(),
         "checksum": algorithm,
@@ -252,5 +260,7 @@ def _manifest(engine, optimizer, tmp: Path, step: int, extra, algorithm: str, ki
             manifest["extra_file"] = torch_save_checked(extra, tmp / "extra.pt", algorithm)
     if world > 1:
         manifest["world"] = world
+    if precision is not None:
+        manifest["precision"] = dict(precision)
     manifest["bytes"] = total
     return manifest

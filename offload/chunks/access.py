@@ -18,8 +18,10 @@ parameters or optimizer worker. It answers four questions:
 
 Units: ``numel``, ``used`` and offsets are elements; ``nbytes`` and staging sizes are bytes. A
 chunk's kinds are ``"param"`` (compute dtype) and, for a trainable chunk, ``"master"`` (fp32,
-only when the compute dtype is not fp32), ``"exp_avg"`` and ``"exp_avg_sq"`` (fp32); gradients
-are transient and not part of this interface.
+only when the compute dtype is not fp32; bf16 under ``master="bf16"``, and none at all when the
+compute dtype is bf16 too: the parameters are the master), ``"exp_avg"`` and ``"exp_avg_sq"`` (fp32;
+uint8 codes under 8-bit moments, with their per-block fp32 scales ``"exp_avg_absmax"`` and
+``"exp_avg_sq_absmax"``: ``ChunkInfo.blocks``); gradients are transient and not part of this interface.
 
 Under data parallelism (``sharding`` set) every rank keeps one piece of every chunk
 (``offload.distributed.sharding``): ``read``/``write`` act on this rank's piece (elements
@@ -30,7 +32,8 @@ collective every rank calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -61,18 +64,32 @@ class ChunkInfo:
     """``(lo, hi)``: the elements of the chunk this rank's piece holds (``(0, numel)`` in a single
     process); ``hi`` may pass ``numel``: that end of the piece is padding (zeros)."""
 
+    blocks: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """chunk elements per stored element of a kind where not 1: the scales of 8-bit moments
+    (``"exp_avg_absmax"``, ``"exp_avg_sq_absmax"``) hold one fp32 per 256-element block."""
+
     @property
     def piece_numel(self) -> int:
         """Elements of this rank's piece (``numel`` in a single process)."""
         return self.span[1] - self.span[0]
 
+    def kind_numel(self, kind: str) -> int:
+        """Stored elements of its whole ``kind`` state (``numel``, or its blocks for a scale kind)."""
+        return -(-self.numel // self.blocks.get(kind, 1))
+
+    def kind_span(self, kind: str) -> tuple[int, int]:
+        """``span`` in stored elements of ``kind`` (pieces are whole blocks where a kind has them)."""
+        block = self.blocks.get(kind, 1)
+        return self.span[0] // block, self.span[1] // block
+
     def nbytes(self, kind: str) -> int:
         """Bytes of its whole ``kind`` state."""
-        return self.numel * self.kinds[kind].itemsize
+        return self.kind_numel(kind) * self.kinds[kind].itemsize
 
     def piece_nbytes(self, kind: str) -> int:
         """Bytes of this rank's piece of its ``kind`` state (what ``read`` returns)."""
-        return self.piece_numel * self.kinds[kind].itemsize
+        span = self.kind_span(kind)
+        return (span[1] - span[0]) * self.kinds[kind].itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +133,11 @@ class ChunkAccess(Protocol):
     def kinds(self) -> Mapping[str, torch.dtype]:
         """The persistent kinds any chunk has, with their dtypes: ``kinds["param"]`` is the compute
         dtype; ``"master"`` is there when some chunk is trainable and compute is not fp32."""
+
+    @property
+    def precision(self) -> Mapping[str, object]:
+        """The optimizer state's precision: ``{"optimizer_state": "fp32" | "8bit", "master": "fp32" |
+        "bf16", "block_size": 256}`` (what a checkpoint records of it)."""
 
     @property
     def sharding(self) -> "Sharding | None":

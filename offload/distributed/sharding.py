@@ -1,6 +1,7 @@
 """How N ranks share one model's state (ZeRO-3 over torch.distributed): every chunk sliced N ways.
 
-Chunk ``c`` of ``numel`` elements is cut into N equal *pieces* of ``ceil(numel / N)`` elements:
+Chunk ``c`` of ``numel`` elements is cut into N equal *pieces* of ``ceil(numel / N)`` elements
+(rounded up to whole 256-element blocks when the Adam moments are 8-bit: ``quantum``):
 rank ``r`` keeps elements ``[r*p, r*p + p)`` of the chunk padded with zeros to ``N*p`` (fewer
 than N elements of padding) -- that piece of its parameters, fp32 master and Adam moments, their
 NVMe slots, and the Adam work on them. Before a chunk's layers run it is all-gathered into one
@@ -31,10 +32,13 @@ class Sharding:
     local_rank: int = 0
     group: object = None
     local_world: int = 1        # ranks on this host (they share its memory and cores)
+    quantum: int = 1            # pieces are whole multiples of it (8-bit state: its 256-element blocks)
 
     def __post_init__(self):
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ConfigError("rank", self.rank, f"must be in [0, {self.world})")
+        if self.quantum < 1:
+            raise ConfigError("quantum", self.quantum, "must be >= 1")
 
     @classmethod
     def from_process_group(cls, group=None) -> "Sharding | None":
@@ -62,8 +66,10 @@ class Sharding:
                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
 
     def piece_numel(self, numel: int) -> int:
-        """Elements of each rank's piece of a chunk of ``numel`` elements."""
-        return -(-numel // self.world)
+        """Elements of each rank's piece of a chunk of ``numel`` elements: a 1/N share rounded up
+        to whole ``quantum``s, so that no block of quantised state straddles two ranks."""
+        share = -(-numel // self.world)
+        return -(-share // self.quantum) * self.quantum
 
     def padded(self, numel: int) -> int:
         """Elements of a whole chunk of ``numel`` once padded to N equal pieces."""

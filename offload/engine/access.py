@@ -37,17 +37,19 @@ class EngineChunks:
             kinds = {"param": params.dtype}
             if layout.trainable[c]:
                 if params.master_kind(c) == "master":
-                    kinds["master"] = torch.float32
-                kinds["exp_avg"] = kinds["exp_avg_sq"] = torch.float32
+                    kinds["master"] = params.master_dtype
+                kinds.update(params.precision.state_kinds())
             infos.append(ChunkInfo(index=c, numel=layout.chunk_numel(c), used=layout.used[c],
                                    trainable=layout.trainable[c], kinds=MappingProxyType(kinds),
-                                   params=tuple(slots.get(c, ())), span=params.span(c)))
+                                   params=tuple(slots.get(c, ())), span=params.span(c),
+                                   blocks=MappingProxyType({k: params.precision.kind_block(k) for k in kinds})))
         self._infos = tuple(infos)
         kinds: dict[str, torch.dtype] = {}
         for info in infos:
             for kind, dtype in info.kinds.items():
                 kinds.setdefault(kind, dtype)
         self.kinds = MappingProxyType(kinds)
+        self.precision = params.precision.describe()
 
     # ---- metadata ----------------------------------------------------------------------------
     def chunks(self) -> tuple[ChunkInfo, ...]:

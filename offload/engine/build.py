@@ -21,6 +21,7 @@ from ..tiers import MemoryTier, NvmeTier
 from ..tiers.budgets import min_cpu_bytes, min_device_bytes_sharded
 from ..tiers.streams import CopyStreams, DeviceStreams
 from ..units import format_bytes
+from .precision import StatePrecision
 
 
 def collectives(sharding, streams: CopyStreams | None, device: torch.device):
@@ -76,8 +77,22 @@ def offloaded_parameters(model: nn.Module, dtype: torch.dtype, device: torch.dev
     return named, shapes
 
 
+def state_precision(config: OffloadConfig, dtype: torch.dtype) -> StatePrecision:
+    """The optimizer state's precision (``config.optimizer_state`` / ``.master``), checked."""
+    return StatePrecision.of(config, dtype)
+
+
+def with_quantum(sharding, precision: StatePrecision):
+    """``sharding`` whose pieces are whole blocks of the quantised state (None stays None)."""
+    if sharding is None or precision.quantum == 1:
+        return sharding
+    import dataclasses
+
+    return dataclasses.replace(sharding, quantum=precision.quantum)
+
+
 def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.dtype, device_budget: int,
-                 cpu_budget: int, sharding) -> ChunkLayout:
+                 cpu_budget: int, sharding, precision: StatePrecision | None = None) -> ChunkLayout:
     """The chunk layout (the same on every rank, checked), refused when the budgets cannot hold
     the minimum working set of one step (``min_device_bytes`` and ``min_cpu_bytes``: the planner
     refuses by the same rules). The layout does not depend on the number of ranks (each keeps a
@@ -95,7 +110,10 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
     piece = (lambda n: -(-sharding.piece_numel(n) // CHUNK_QUANTUM) * CHUNK_QUANTUM) if sharding is not None \
         else (lambda n: n)
     trainable = [piece(layout.sizes[c]) for c in layout.trainable_chunks]
-    need_cpu = max(min_cpu_bytes(max(trainable, default=0), e), piece(layout.largest_chunk) * e)
+    largest = max(trainable, default=0)
+    # Counted by the state's precision (8-bit moments, a bf16 master): the same as min_cpu_bytes at fp32.
+    update = min_cpu_bytes(largest, e) if precision is None else precision.update_bytes(largest)
+    need_cpu = max(update, piece(layout.largest_chunk) * e)
     groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "
               f"chunks being reduce-scattered" if sharding else "")
     why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
@@ -105,10 +123,12 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
                           f"holds less than the {format_bytes(need_device)} one backward step needs "
                           f"(the largest chunk and 2 bulk chunks, parameters and fp32 gradients"
                           f"{groups}): {why}")
+    at = "" if precision is None or precision.default else \
+        f" at {precision.moments} moments and a {precision.master} master"
     if cpu_budget < need_cpu:
         raise ConfigError("cpu_budget", cpu_budget,
                           f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
-                          f"needs (gradient, master, exp_avg, exp_avg_sq, parameters): {why}")
+                          f"needs (gradient, master, exp_avg, exp_avg_sq, parameters{at}): {why}")
     return layout
 
 
@@ -136,7 +156,7 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
 
 
 # The kinds that live from step to step (gradients come and go; gathered chunks are copies).
-PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq"})
+PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"})
 
 
 def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, dtype: torch.dtype,
@@ -154,8 +174,11 @@ def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, d
         # it is reduced, pinned all along, and never needs an NVMe slot. The pieces accumulate.
         store.register_chunks(params.capture_kind, params.trainable_whole_sizes(), grad_dtype, nvme=False)
     store.register_chunks("grad", pieces, grad_dtype)
-    for kind in ("exp_avg", "exp_avg_sq"):
-        store.register_chunks(kind, pieces, torch.float32)
+    precision = params.precision
+    for kind, kind_dtype in precision.state_kinds().items():
+        # A scale kind holds one fp32 per block of the piece (pieces are whole blocks: the quantum).
+        block = precision.kind_block(kind)
+        store.register_chunks(kind, {c: -(-n // block) for c, n in pieces.items()}, kind_dtype)
     persistent = sum(r.nbytes for r in store.records.values() if r.key[0] in PERSISTENT_KINDS)
     return config.nvme_paths is not None and persistent > memory_bytes
 

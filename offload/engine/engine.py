@@ -50,7 +50,8 @@ class OffloadEngine:
         self.tracer = Tracer()
         # Under a process group of N ranks, each keeps a 1/N piece of every chunk (offload.distributed):
         # the default group, or the one given (a pipeline stage's data-parallel group).
-        self.dp = dp = Sharding.from_process_group(process_group)
+        self.precision = build.state_precision(config, self.dtype)
+        self.dp = dp = build.with_quantum(Sharding.from_process_group(process_group), self.precision)
         # The processes on this host share its memory and cores whatever their groups (pipeline
         # stages are groups of one rank each): the default group says how many there are.
         host = dp if dp is not None and dp.group is None else Sharding.from_process_group()
@@ -60,7 +61,8 @@ class OffloadEngine:
             self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget, dp.group)
         lazy = lazy_record(model)
         named, shapes = build.offloaded_parameters(model, self.dtype, self.device, lazy)
-        self.layout = build.build_layout(named, shapes, config, self.dtype, self.device_budget, self.cpu_budget, dp)
+        self.layout = build.build_layout(named, shapes, config, self.dtype, self.device_budget, self.cpu_budget, dp,
+                                         self.precision)
         self.policy = make_policy(config.eviction, auto_advance=False)    # the prefetcher moves its clock
         streams = build.copy_streams(self.device)
         # With tracing on a GPU, the trace also shows when kernels and copies ran (not only queued).
@@ -75,7 +77,8 @@ class OffloadEngine:
         self.store = ChunkStore(tiers, self.policy, aliases=aliases, streams=streams, tracer=self.tracer,
                                 on_free=views.on_store_free, urgent_kinds=frozenset({"param", "gathered"}))
         self.params = ChunkedParams(named, self.layout, self.store, self.dtype, placeholder=views.placeholder,
-                                    sharding=dp, comms=self.comms, comm_device=comm_device)
+                                    sharding=dp, comms=self.comms, comm_device=comm_device,
+                                    precision=self.precision)
         self.spills = build.register_optimizer_state(self.store, self.params, config, self.dtype,
                                                      self.device_budget + self.cpu_budget)
         if lazy is not None:

@@ -11,12 +11,15 @@ viewing their chunk on the device are ``pins.py``'s.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..chunks import ChunkLayout, ChunkState, ChunkStore, ParamSlot
+from ..optim.quantized import dequantize, quantize
+from .precision import SCALE_KINDS, SIGNED, StatePrecision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,7 +32,7 @@ class ParamRef:
 
 
 class ChunkedParams:
-    """Owns the ``param`` (compute dtype) and ``master`` (fp32) chunks of one model.
+    """Owns the ``param`` (compute dtype) and ``master`` (fp32, or bf16: ``precision``) chunks of one model.
 
     ``placeholder``: what a parameter's ``.data`` is when no chunk is viewed (``ParamViews``).
     Under data parallelism, ``sharding`` says which piece of every chunk this rank keeps, and
@@ -38,15 +41,20 @@ class ChunkedParams:
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
                  compute_dtype: torch.dtype, *, placeholder: torch.Tensor, sharding=None, comms=None,
-                 comm_device: torch.device = torch.device("cpu")):
+                 comm_device: torch.device = torch.device("cpu"), precision: StatePrecision | None = None):
         self.layout = layout
         self.store = store
         self.dtype = compute_dtype
-        self.has_master = compute_dtype != torch.float32
+        self.precision = precision if precision is not None else StatePrecision("fp32", "fp32", compute_dtype)
+        # A bf16 master under bf16 compute is the parameters themselves (updated in place).
+        self.has_master = self.precision.separate_master
+        self.master_dtype = self.precision.master_dtype
         self.params: list[nn.Parameter] = [p for _, p in named]
         self.refs: dict[int, ParamRef] = {}
         for i, (name, p) in enumerate(named):
             self.refs[id(p)] = ParamRef(i, name, layout.slot(name))
+        # Where each chunk starts in the whole layout: the bf16 master's rounding bits follow it.
+        self.chunk_base = [0, *itertools.accumulate(layout.sizes)][:layout.num_chunks]
         self.chunk_members: list[list[nn.Parameter]] = [[] for _ in range(layout.num_chunks)]
         for p in self.params:
             self.chunk_members[self.refs[id(p)].slot.chunk].append(p)
@@ -107,7 +115,7 @@ class ChunkedParams:
                                        nvme=False)
         if self.has_master:
             # Frozen chunks never change: their compute-precision parameters are all they need.
-            self.store.register_chunks("master", self.trainable_sizes(), torch.float32)
+            self.store.register_chunks("master", self.trainable_sizes(), self.master_dtype)
 
     def trainable_sizes(self) -> dict[int, int]:
         """``{chunk: elements of this rank's piece}`` of the chunks that hold trainable parameters."""
@@ -141,7 +149,7 @@ class ChunkedParams:
 
             self.store.initialize(("param", c), tier, lambda v: fill(v, self.dtype))
             if self.master_kind(c) == "master":
-                self.store.initialize(("master", c), tier, lambda v: fill(v, torch.float32))
+                self.store.initialize(("master", c), tier, lambda v: fill(v, self.master_dtype))
             for p in self.chunk_members[c]:
                 p.data = self._placeholder
 
@@ -257,9 +265,7 @@ class ChunkedParams:
             if k is None:
                 chunk = torch.zeros(self.layout.chunk_numel(c), dtype=torch.float32)
             else:
-                if k not in bufs:
-                    bufs[k] = self._staging(k)
-                chunk = self.read_whole((k, c), bufs[k])
+                chunk = self._whole((k, c), bufs)
             for p in members:
                 s = self.ref(p).slot
                 value = chunk[s.offset:s.end].view(s.shape)
@@ -283,13 +289,20 @@ class ChunkedParams:
             for kind in kinds:
                 if (kind, c) not in self.store.records:
                     continue        # a frozen chunk has no master or optimizer state
-                chunk = self._read_or_zeros((kind, c), bufs[kind])
+                chunk = self._piece_values((kind, c), bufs)
                 for p, start, end in self._pieces[c]:
                     if id(p) in wanted:
                         s = self.ref(p).slot
                         src = values[id(p)].reshape(-1)[start + lo - s.offset:end + lo - s.offset]
                         chunk[start:end].copy_(src.to(chunk.dtype))
-                self.store.write((kind, c), chunk)
+                if self._quantized(kind):
+                    # The moments of the whole piece are quantised again: a block's scale
+                    # follows every value in it, the ones just written included.
+                    codes, absmax = quantize(chunk, SIGNED[kind])
+                    self.store.write((kind, c), codes)
+                    self.store.write((SCALE_KINDS[kind], c), absmax)
+                else:
+                    self.store.write((kind, c), chunk)
 
     def _has_kind(self, kind: str, c: int) -> bool:
         """Whether chunk ``c`` has state of ``kind``: the same answer on every rank."""
@@ -302,16 +315,35 @@ class ChunkedParams:
     def read_whole(self, key, buf: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk ``key``'s values on the CPU, all ``numel`` of them: read here, or (several ranks,
         a collective) all-gathered from every rank's piece. A FREE record reads as zeros."""
+        return self._whole(key, {} if buf is None else {key[0]: buf})
+
+    def _whole(self, key, bufs: dict) -> torch.Tensor:
         kind, c = key
-        if buf is None:
-            buf = self._staging(kind)
-        piece = self._read_or_zeros(key, buf)
+        piece = self._piece_values(key, bufs)
         if self.sharding is None:
             return piece
-        whole = torch.empty(self.whole_numel(c), dtype=piece.dtype, device=self.comm_device)
+        block = 1 if self._quantized(kind) else self.precision.kind_block(kind)   # a scale kind: per block
+        whole = torch.empty(self.whole_numel(c) // block, dtype=piece.dtype, device=self.comm_device)
         moved = piece if self.comm_device.type == "cpu" else piece.to(self.comm_device)
         self.comms.wait(self.comms.all_gather(whole, moved), f"gathering chunk {key}")
-        return whole[:self.layout.chunk_numel(c)].cpu()
+        return whole[:self.layout.chunk_numel(c) // block].cpu()
+
+    def _quantized(self, kind: str) -> bool:
+        return self.precision.quantized and kind in SCALE_KINDS
+
+    def _piece_values(self, key, bufs: dict) -> torch.Tensor:
+        """This rank's piece of chunk ``key``'s values (zeros when FREE); 8-bit moments dequantised
+        to fp32 from their codes and scales. ``bufs``: staging buffers by kind, added to as needed."""
+        kind, c = key
+        kinds = [kind, SCALE_KINDS[kind]] if self._quantized(kind) else [kind]
+        for k in kinds:
+            if k not in bufs:
+                bufs[k] = self._staging(k)
+        if len(kinds) == 1:
+            return self._read_or_zeros(key, bufs[kind])
+        codes = self._read_or_zeros(key, bufs[kind])
+        absmax = self._read_or_zeros((kinds[1], c), bufs[kinds[1]])
+        return dequantize(codes, absmax, SIGNED[kind])
 
     def _staging(self, kind: str) -> torch.Tensor:
         # One buffer per call, reused chunk after chunk: the values are cloned out of it, and

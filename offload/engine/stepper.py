@@ -27,6 +27,8 @@ from ..chunks.states import ChunkState
 from ..errors import OffloadError
 from ..optim.kernel import adam_step
 from ..tiers.streams import use_device
+from .precision import SIGNED
+from .quant_step import update_8bit, zero_code
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 # wait_backlog gives up after this long without a single update finishing.
@@ -144,7 +146,7 @@ class ChunkAdam:
 
     def prefetch(self, c: int) -> None:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
-        kinds = ["grad", "master" if self.params.has_master else "param", *STATE_KINDS]
+        kinds = ["grad", "master" if self.params.has_master else "param", *self.params.precision.state_kinds()]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
 
@@ -166,14 +168,20 @@ class ChunkAdam:
                 grad = take(("grad", c), False)
                 master = take((master_kind, c), True)
                 states = []
-                for kind in STATE_KINDS:
+                for kind in params.precision.state_kinds():     # moments (codes), then their scales
                     key = (kind, c)
                     if store.records[key].state is ChunkState.FREE:
-                        store.initialize(key, "cpu")          # torch creates zeros at the first step
+                        # torch creates zeros at the first step (8-bit: zero's code, zero scales)
+                        code = zero_code(SIGNED[kind]) if kind in SIGNED and params.precision.quantized else 0
+                        store.initialize(key, "cpu", (lambda v, code=code: v.fill_(code)) if code else None)
                     states.append(take(key, True))
                 out = take(("param", c), True, overwrite=True) if params.has_master else None
             with tracer.span(f"adam {c}", "adam", chunk=c):
-                for start, end, h, step in runs:
+                if params.precision.quantized:
+                    update_8bit(master, grad, states, out, runs, params.piece_members(c),
+                                index_base=params.chunk_base[c] + params.span(c)[0], grad_scale=grad_scale,
+                                threads=self.threads)
+                for start, end, h, step in ([] if params.precision.quantized else runs):
                     adam_step(master[start:end], grad[start:end], states[0][start:end], states[1][start:end],
                               lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                               step=step, decoupled=h.decoupled, grad_scale=grad_scale, maximize=h.maximize,

@@ -2,7 +2,7 @@
 (tests/helpers/ranks.py) calls ``main(spec)`` in each rank's process.
 
 spec: {"steps", "accumulate", "clip", "overflow_at", "fail_at", "config": {...OffloadConfig},
-"out": path prefix, "seed", "checkpointing", "backend", "set_device", "vocab", "freeze"}. Each
+"out": path prefix, "seed", "checkpointing", "backend", "set_device", "vocab", "freeze", "replicate"}. Each
 rank trains TinyGPT (``vocab`` tokens: a large one makes the embedding an oversized chunk) on its
 1/N slice of the same global batches the single-process reference sees and writes
 ``<out>.rank<r>.pt``: its per-step losses, statistics and gradient norms (with ``clip``), its
@@ -10,6 +10,8 @@ engine's device, the chunk layout (``sizes``, ``slots``) and this rank's ``spans
 elements of Adam state it holds per trainable chunk (``adam_elems``: what its CPU Adam updates),
 the warnings wrap gave, and (every rank, through the collective state_dict) the final fp32
 parameters.
+``replicate``: n -- every rank takes the batch's first n samples (the mean of N equal gradients is exact: the
+run is bit for bit one process's on that slice).
 ``fail_at``: [rank, step] — that rank raises inside backward then. ``backend``: "gloo" (default)
 or "nccl" (a GPU per rank; ``set_device``: the worker makes cuda:LOCAL_RANK current itself, as
 torchrun scripts should, else the engine has to).
@@ -100,8 +102,9 @@ def main(spec: dict) -> None:
         total = 0.0
         for _ in range(accumulate):
             x, y = next(data)
-            n = x.shape[0] // world
-            x, y = x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device)
+            n = int(spec.get("replicate") or x.shape[0] // world)
+            at = 0 if spec.get("replicate") else rank * n       # every rank the same slice: averaged exactly
+            x, y = x[at:at + n].to(device), y[at:at + n].to(device)
             loss = (module(x, labels=y).loss if llama else module(x, y)) / accumulate
             if step == spec.get("overflow_at") and rank == spec.get("overflow_rank", rank):
                 loss = loss * float("inf")

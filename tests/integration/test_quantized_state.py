@@ -1,0 +1,143 @@
+"""8-bit Adam moments (and a bf16 master) inside the engine, one process: every chunk through
+every tier (NVMe forced by small budgets), against the same scheme written out on plain PyTorch
+(tests/helpers/flat8.py: the torch reference the native kernel is bit-identical to, applied to
+the same flat chunks). Forward and backward are the plain model's, so the runs agree bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from offload.errors import ConfigError
+from offload.optim.quantized import qmap
+from tests.helpers.flat8 import Flat8Adam
+from tests.helpers.ranks import launch
+from tests.helpers.reference import LR, WD, make_models, small_config
+from tests.helpers.tiny_gpt import batches
+
+pytestmark = pytest.mark.slow
+
+CASES = {"fp32 compute": dict(dtype="fp32", optimizer_state="8bit"),
+         "bf16 compute, bf16 master": dict(dtype="bf16", optimizer_state="8bit", master="bf16"),
+         "bf16 compute, fp32 master": dict(dtype="bf16", optimizer_state="8bit")}
+
+
+STEPS = 6
+
+
+def train(model, opt, steps):
+    losses = []
+    for x, y in batches(steps):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_8bit_engine_matches_the_scheme_on_flat_chunks(disk_tmp, case):
+    kw = CASES[case]
+    ref, mine = make_models()
+    # Budgets below even the compressed state: it goes to NVMe and back every step.
+    model = offload.wrap(mine, small_config(disk_tmp, device_budget="96KiB", cpu_budget="128KiB", chunk_size=4096, **kw))
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, state="8bit", master=kw.get("master"))
+    engine = model.offload_engine
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[kw["dtype"]]
+    initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref = ref.to(compute)
+    master = torch.bfloat16 if kw.get("master") == "bf16" else torch.float32
+    flat = Flat8Adam(ref, engine.chunks.layout, master, lr=LR, weight_decay=WD, initial=initial)
+    got = train(model, opt, STEPS)
+    want = train(ref, flat, STEPS)
+    assert got == want
+    sd = model.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.equal(sd[name].to(p.dtype), p.detach()), name     # an fp32 master rounds to them
+    kinds = {k[0] for k in engine.store.records}
+    assert ("master" in kinds) == (kw["dtype"] == "bf16" and master == torch.float32)
+    report = engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
+    assert report.get("exp_avg_absmax") and report.get("exp_avg"), report       # the 8-bit state spilled
+    assert engine.store.records[("exp_avg", 0)].dtype == torch.uint8
+
+
+def test_state_dict_dequantised_round_trip_with_torch_adamw(disk_tmp):
+    """optimizer.state_dict() holds fp32 moments that load into torch.optim.AdamW, and loading
+    them back quantises. exp_avg_sq (unsigned map, its top code is exactly 1) comes back bit for
+    bit. exp_avg's signed map has -0.993, not -1, at the bottom: a block whose largest moment is
+    negative is given back 0.993 x its scale, and its values move by at most that share of the
+    scale plus half the map's widest gap (a value re-rounded to its neighbour code)."""
+    _, mine = make_models()
+    model = offload.wrap(mine, small_config(disk_tmp, optimizer_state="8bit"))
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    train(model, opt, 3)
+    sd = opt.state_dict()
+    engine = model.offload_engine
+    before = {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg")}
+    plain = make_models()[0]
+    torch_opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    torch_opt.load_state_dict(sd)
+    back = torch_opt.state_dict()
+    for i, st in sd["state"].items():
+        assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == back["state"][i]["exp_avg"].shape
+    for k in before:        # scramble the engine's state, then load torch's state dict back
+        engine.chunks.write(k[0], k[1], torch.zeros_like(before[k]))
+    opt.load_state_dict(back)
+    for k, want in before.items():
+        if k[0].startswith("exp_avg_sq"):
+            assert torch.equal(engine.store.read(k), want), k
+    signed = qmap(True)
+    share = float(1 + signed[0]) + float((signed[1:] - signed[:-1]).max()) / 2
+    again = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    # No block's scale exceeds the largest exp_avg anywhere (blocks may span parameters).
+    scale = max(st["exp_avg"].abs().max() for st in sd["state"].values())
+    for i, st in sd["state"].items():
+        torch.testing.assert_close(again["state"][i]["exp_avg"], st["exp_avg"], rtol=0,
+                                   atol=float(scale) * share, msg=str(i))
+        assert torch.equal(again["state"][i]["exp_avg_sq"], st["exp_avg_sq"])
+    assert len(params) == len(sd["state"])
+
+
+def test_precision_is_checked_by_name(disk_tmp):
+    with pytest.raises(ConfigError, match="optimizer_state"):
+        offload.OffloadConfig(optimizer_state="int4")
+    with pytest.raises(ConfigError, match="master"):
+        offload.OffloadConfig(dtype="fp32", master="bf16")
+    _, mine = make_models()
+    with pytest.raises(ConfigError, match="8bit"):
+        offload.wrap(mine, small_config(disk_tmp, dtype="bf16", master="bf16"))
+    with pytest.raises(ConfigError, match="bf16 moments"):
+        offload.wrap(make_models()[1], small_config(disk_tmp, optimizer_state="bf16"))
+    model = offload.wrap(make_models()[1], small_config(disk_tmp))
+    with pytest.raises(ConfigError, match="optimizer_state='8bit'"):
+        offload.AdamW(model.parameters(), state="8bit")
+
+
+@pytest.mark.parametrize("case", ["bf16 compute, bf16 master"])
+def test_two_ranks_with_8bit_state_train_bit_for_bit_like_one_process(tmp_path, case):
+    """2 gloo ranks, NVMe forced, each keeping and updating its piece of every chunk (whole
+    256-element blocks: the pieces' quantum) against one process. Every rank takes the same
+    slice of each batch, so the averaged gradient is exactly one process's (a mean of equal
+    values) and any difference would be the sliced 8-bit state's own."""
+    cfg = dict(device="cpu", device_budget="320KiB", cpu_budget="96KiB", nvme_paths=[str(tmp_path / "nvme-{rank}")],
+               chunk_size=6144, **CASES[case])
+    out = {}
+    for world in (1, 2):
+        spec = {"steps": 5, "out": str(tmp_path / f"w{world}"), "config": cfg, "batch": 4, "replicate": 2}
+        (tmp_path / f"run{world}").mkdir()
+        results = launch("tests.helpers.dp_worker:main", spec, world, tmp_path / f"run{world}", timeout_s=240)
+        for r in results:
+            if r.returncode != 0:
+                pytest.fail(f"rank {r.rank} of {world} exited with {r.returncode}:\n{r.output[-3000:]}")
+        out[world] = [torch.load(tmp_path / f"w{world}.rank{r}.pt") for r in range(world)]
+    one = out[1][0]
+    for r, o in enumerate(out[2]):
+        assert o["losses"] == one["losses"], r
+        for name, value in one["state"].items():
+            assert torch.equal(o["state"][name], value), (r, name)
+        # 6144 elements in 2 pieces of 3072 = 12 whole blocks each; the rank spilled its pieces
+        assert all((hi - lo) % 256 == 0 for lo, hi in o["spans"]), o["spans"]
+        assert o["stats"][-1]["memory"]["tiers"]["nvme"]["bytes_by_kind"].get("exp_avg_absmax"), r
