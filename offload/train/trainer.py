@@ -80,7 +80,8 @@ class Trainer:
             self.tokenizer, self.data = self.build_data()
             self.engine_config = offload.OffloadConfig(
                 dtype=c.model.dtype, device_budget=c.budgets.device_budget, cpu_budget=c.budgets.cpu_budget,
-                nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto")
+                nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto",
+                optimizer_state=c.optimizer.state, master=c.optimizer.master)
 
     def chunk_size(self) -> int | None:
         """--chunk-size, else the checkpoint's when resuming (its layout is the one to rebuild),

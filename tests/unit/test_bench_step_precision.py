@@ -24,10 +24,10 @@ def test_precisions_pair_by_position_and_a_single_value_applies_to_all():
 
 
 @pytest.mark.parametrize("state, master, match", [
-    ("fp16", None, r"--state=fp16: must be one of fp32, bf16, 8bit"),
-    (None, "8bit", r"--master=8bit: must be one of fp32, bf16"),
-    ("fp32,8bit,bf16", "fp32,bf16", r"--master=fp32,bf16: has 2 values where the other flag has 3"),
-    ("fp32,8bit,fp32", None, r"fp32/fp32: is listed twice"),
+    ("fp16", None, r"--state='fp16': must be one of fp32, bf16, 8bit"),
+    (None, "8bit", r"--master='8bit': must be one of fp32, bf16"),
+    ("fp32,8bit,bf16", "fp32,bf16", r"--master='fp32,bf16': has 2 values where the other flag has 3"),
+    ("fp32,8bit,fp32", None, r"'fp32/fp32': is listed twice"),
 ])
 def test_bad_precision_lists_name_the_flag(state, master, match):
     with pytest.raises(ConfigError, match=match):
@@ -44,9 +44,9 @@ def test_bytes_per_parameter_follow_the_contract():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--state", "fp32,8bit", "--nproc", "2"], "--state/--master=fp32/fp32: is measured with --nproc 1 only"),
-    (["--state", "fp32,8bit", "--batch-curve", "64"], "--batch-curve=64: is not measured when several"),
-    (["--state", "4bit"], "--state=4bit: must be one of"),
+    (["--state", "fp32,8bit", "--nproc", "2"], "--state/--master='fp32/fp32': is measured with --nproc 1 only"),
+    (["--state", "fp32,8bit", "--batch-curve", "64"], "--batch-curve='64': is not measured when several"),
+    (["--state", "4bit"], "--state='4bit': must be one of"),
 ])
 def test_refusals_at_the_command_line_are_one_line(argv, message, tmp_path, capsys):
     from offload.cli import main
