@@ -111,6 +111,16 @@ OFF_EXPORT int off_qmap_values(int map, float *out)
     return 0;
 }
 
+/* sqrt(v)/sqrt(bc2) + eps = (sqrt(v) + eps*sqrt(bc2)) / sqrt(bc2): the same maths with one
+ * division per element fewer (the compressed-state kernels are bound by their arithmetic, not
+ * their bytes). In double from the Python floats, rounded once, as every constant. */
+void off__adam_fold_bc2(const off_adam_hparams *hp, float *step_bc2, float *eps_bc2)
+{
+    double bc2_sqrt = sqrt(1.0 - pow(hp->beta2, (double)hp->step));
+    *step_bc2 = (float)(hp->lr / (1.0 - pow(hp->beta1, (double)hp->step)) * bc2_sqrt);
+    *eps_bc2 = (float)(hp->eps * bc2_sqrt);
+}
+
 static const struct {
     off__adam8_kernel adam;
     off__quant_kernel quant;
@@ -200,11 +210,7 @@ OFF_EXPORT int off_adam8_step_level(int level, const off_adam_hparams *hp, void 
         || (out_dtype != OFF_DTYPE_NONE && misaligned(out, out_dtype == OFF_DTYPE_FP32 ? 4 : 2)))
         return -EINVAL;
     job.kernel = kernels[level].adam;
-    /* sqrt(v)/sqrt(bc2) + eps = (sqrt(v) + eps*sqrt(bc2)) / sqrt(bc2): the same maths with one
-     * division per element fewer (the 8-bit kernel is bound by its arithmetic, not its bytes) */
-    double bc2_sqrt = sqrt(1.0 - pow(hp->beta2, (double)hp->step));
-    job.c.step_bc2 = (float)(hp->lr / (1.0 - pow(hp->beta1, (double)hp->step)) * bc2_sqrt);
-    job.c.eps_bc2 = (float)(hp->eps * bc2_sqrt);
+    off__adam_fold_bc2(hp, &job.c.step_bc2, &job.c.eps_bc2);
     job.c.block = st->block;
     job.c.key = off__sr_key(seed, hp->step);
     job.io = (off__adam8_io){master, master_dtype, grad, grad_dtype, st->exp_avg,

@@ -13,41 +13,10 @@
 #include "adam8_internal.h"
 #include "simd_avx2.h"
 
-INLINE __m256 widen(__m128i h, int dtype)
-{
-    if (dtype == OFF_DTYPE_BF16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
-/* Eight 32-bit lanes holding 16-bit values -> eight uint16. */
-
-INLINE __m256i mix32(__m256i x)
-{
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
-    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
 /* off__f32_to_bf16_sr with off__sr_bits(key, index + lane) for the eight lanes. */
 INLINE __m128i to_bf16_sr(__m256 x, uint32_t key, unsigned long long index)
 {
-    uint32_t lo0 = (uint32_t)index, hi0 = (uint32_t)(index >> 32);
-    __m256i lo = _mm256_add_epi32(_mm256_set1_epi32((int)lo0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    /* unsigned lo < lo0, through the sign flip AVX2's signed compare needs */
-    __m256i flip = _mm256_set1_epi32((int)0x80000000u);
-    __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(_mm256_set1_epi32((int)lo0), flip),
-                                       _mm256_xor_si256(lo, flip));
-    __m256i k = _mm256_blendv_epi8(_mm256_set1_epi32((int)off__mix32(key ^ hi0)),
-                                   _mm256_set1_epi32((int)off__mix32(key ^ (hi0 + 1u))), carry);
-    __m256i r = _mm256_and_si256(mix32(_mm256_xor_si256(lo, k)), _mm256_set1_epi32(0xffff));
-    __m256i u = _mm256_castps_si256(x);
-    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, r), 16);
-    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return pack16(_mm256_blendv_epi8(h, q, nan));
+    return bf16_sr(x, sr_bits(key, index));
 }
 
 INLINE __m256 dequant(const float *map, const uint8_t *codes, __m256 scale)

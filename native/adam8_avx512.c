@@ -15,30 +15,10 @@
 #include "adam8_internal.h"
 #include "simd_avx512.h"
 
-INLINE __m512i mix32(__m512i x)
-{
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
 /* off__f32_to_bf16_sr with off__sr_bits(key, index + lane) for the sixteen lanes. */
 INLINE __m256i to_bf16_sr(__m512 x, uint32_t key, unsigned long long index)
 {
-    uint32_t lo0 = (uint32_t)index, hi0 = (uint32_t)(index >> 32);
-    __m512i lo = _mm512_add_epi32(_mm512_set1_epi32((int)lo0),
-                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __mmask16 carry = _mm512_cmplt_epu32_mask(lo, _mm512_set1_epi32((int)lo0));
-    __m512i k = _mm512_mask_blend_epi32(carry, _mm512_set1_epi32((int)off__mix32(key ^ hi0)),
-                                        _mm512_set1_epi32((int)off__mix32(key ^ (hi0 + 1u))));
-    __m512i r = _mm512_and_si512(mix32(_mm512_xor_si512(lo, k)), _mm512_set1_epi32(0xffff));
-    __m512i u = _mm512_castps_si512(x);
-    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(h);
+    return bf16_sr(x, sr_bits(key, index));
 }
 
 INLINE __m512 dequant(const float *map, const uint8_t *codes, __m512 scale)

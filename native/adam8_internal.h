@@ -57,6 +57,9 @@ typedef struct off__adam8_consts {
     uint32_t key;                       /* hash of (seed, step) */
 } off__adam8_consts;
 
+/* lr/(1-beta1^t)*sqrt(1-beta2^t) and eps*sqrt(1-beta2^t) (adam8.c; the bf16 kernels too). */
+void off__adam_fold_bc2(const off_adam_hparams *hp, float *step_bc2, float *eps_bc2);
+
 /* The buffers of one call; kernels index them from the slice's start. */
 typedef struct off__adam8_io {
     void *master;

@@ -119,6 +119,23 @@ int off_blockwise_quantize(int level, int map, const float *x, unsigned char *co
 int off_blockwise_dequantize(int map, const unsigned char *codes, const float *absmax,
                              long long block, float *x, long long n);
 
+/* ---- 16-bit Adam state (adam16*.c): section owned by the bf16-moment Adam kernels ----
+ * The fp32 update of off_adam8_step (the denominator's bias correction folded into two
+ * constants) with exp_avg/exp_avg_sq held in moment_dtype (BF16 or FP32) and the master in
+ * master_dtype (FP32 or BF16), but not both FP32 (that is off_adam_step). Every bf16 store is a
+ * stochastic rounding: the master's bits are off_adam8_step's (seed, hp->step, index_base + i),
+ * exp_avg uses the high half of the same hash, exp_avg_sq a second hash. out_dtype as in
+ * off_adam8_step. Any split at any element gives the same bits; every level and thread count
+ * give the same bits. Returns 0, or -EINVAL for a bad argument (nothing modified). */
+int off_adam16_step(const off_adam_hparams *hp, void *master, int master_dtype, const void *grad,
+                    int grad_dtype, void *exp_avg, void *exp_avg_sq, int moment_dtype, void *out,
+                    int out_dtype, long long n, unsigned long long seed, long long index_base,
+                    int threads);
+int off_adam16_step_level(int level, const off_adam_hparams *hp, void *master, int master_dtype,
+                          const void *grad, int grad_dtype, void *exp_avg, void *exp_avg_sq,
+                          int moment_dtype, void *out, int out_dtype, long long n,
+                          unsigned long long seed, long long index_base, int threads);
+
 /* ---- I/O (aio.c, buffers.c, crc32c.c): section owned by the I/O layer -- */
 /* Aligned host buffers (buffers.c). Memory comes from mmap: page-aligned, zero-filled. */
 enum off_buffer_flags {

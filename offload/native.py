@@ -347,3 +347,29 @@ def blockwise_dequantize_raw(*, map_name: str, codes: int, absmax: int, block: i
     rc = lib.off_blockwise_dequantize(QMAPS[map_name], ffi.cast("unsigned char *", codes),
                                       ffi.cast("float *", absmax), block, ffi.cast("float *", x), n)
     check(rc, "off_blockwise_dequantize")
+
+
+# ---- 16-bit Adam state (offload/optim/kernel.py): section owned by the bf16-moment kernels ----
+
+def adam16_step_raw(*, master: int, master_dtype: str, grad: int, grad_dtype: str, exp_avg: int,
+                    exp_avg_sq: int, moment_dtype: str, out: int, out_dtype: str, n: int,
+                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    grad_scale: float, step: int, decoupled: bool, maximize: bool, seed: int,
+                    index_base: int, threads: int, level: str | None) -> None:
+    """One Adam step with bf16 moments and/or a bf16 master over ``n`` elements at raw
+    addresses (ints); callers validate first. ``level`` forces an instruction set (``None``:
+    the one in use). GIL released."""
+    ffi, lib = load()
+    hp = ffi.new("off_adam_hparams *", {
+        "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay,
+        "grad_scale": grad_scale, "step": step, "decoupled": int(bool(decoupled)),
+        "maximize": int(bool(maximize))})
+    args = (hp, ffi.cast("void *", master), DTYPE_CODES[master_dtype], ffi.cast("void *", grad),
+            DTYPE_CODES[grad_dtype], ffi.cast("void *", exp_avg), ffi.cast("void *", exp_avg_sq),
+            DTYPE_CODES[moment_dtype], ffi.cast("void *", out), DTYPE_CODES[out_dtype], n, seed,
+            index_base, threads)
+    if level is None:
+        rc = lib.off_adam16_step(*args)
+    else:
+        rc = lib.off_adam16_step_level(SIMD_LEVELS.index(level), *args)
+    check(rc, "off_adam16_step")

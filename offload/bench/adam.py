@@ -11,7 +11,9 @@ written) and next to no arithmetic, prefetched like our kernels. Each repeat tim
 With ``state="8bit"`` (``--state 8bit``, optionally ``--master bf16``) ours is the block-wise
 8-bit kernel (``offload.optim.quantized``) and its ``gbps`` counts its own bytes: the gradient,
 the master (4 or 2 B) and both 1-byte moments read and written, the out copy, and the two
-absmax scales per block read and written. ``roofline_fraction`` is then its GB/s over the
+absmax scales per block read and written. With ``state="bf16"`` or ``master="bf16"`` ours is
+the 16-bit-state kernel (``adam_step`` on bf16 buffers; stochastic rounding), counting 2 B per
+bf16 moment or master element read and written. ``roofline_fraction`` is then its GB/s over the
 roofline loop's GB/s (the memory bandwidth measured with Adam's stream mix), and the fp32
 kernel runs beside it on the roofline's buffers (``speedup_vs_fp32_kernel``, in parameters/s).
 The torch sides are not timed for 8-bit state (a different algorithm).
@@ -62,14 +64,13 @@ def parse_count(value, field: str = "params") -> int:
 
 def bytes_per_param(grad_dtype: str, out_dtype: str, state: str = "fp32",
                     master: str = "fp32") -> float:
-    """Bytes Adam must move per parameter. fp32 state: param/m/v read and written (24), grad
-    read, out written. 8-bit: the master read and written, two 1-byte codes read and written,
-    grad, out, and two fp32 scales per block of 256 read and written (16/256 B)."""
+    """Bytes Adam must move per parameter: the master and both moments read and written, grad
+    read, out written. A moment element is 4 B (fp32), 2 B (bf16), or 1 B plus its share of one
+    fp32 scale per block of 256 (8-bit: 4/256 B)."""
     grad = DTYPES[grad_dtype].itemsize
     out = 0 if out_dtype == "none" else DTYPES[out_dtype].itemsize
-    if state == "8bit":
-        return 2 * DTYPES[master].itemsize + 2 * 2 + grad + out + 2 * 2 * 4 / BLOCK_SIZE
-    return 12 + grad + 12 + out
+    moment = 1 + 4 / BLOCK_SIZE if state == "8bit" else DTYPES[state].itemsize
+    return 2 * DTYPES[master].itemsize + 2 * 2 * moment + grad + out
 
 
 def bytes_needed(params: int, grad_dtype: str, out_dtype: str, with_torch: bool = True,
@@ -81,6 +82,8 @@ def bytes_needed(params: int, grad_dtype: str, out_dtype: str, with_torch: bool 
     extra = 0
     if state == "8bit":
         extra += DTYPES[master].itemsize + 2 + 1
+    elif state == "bf16" or master == "bf16":
+        extra += DTYPES[master].itemsize + 2 * DTYPES[state].itemsize
     elif with_torch:
         extra += 0 if grad_dtype == "fp32" else 4
         extra += 8
@@ -108,21 +111,20 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
 
     ``params``: parameters per step. ``threads``: native and torch threads (None: physical
     cores). ``levels``: SIMD levels to time (None: every level this CPU runs). ``with_torch``:
-    time the torch sides too (the planner may skip them; never for 8-bit state). ``state``:
-    "fp32" or "8bit" moments; ``master``: "fp32", or "bf16" (8-bit state only).
+    time the torch sides too (the planner may skip them; only for all-fp32 state). ``state``:
+    "fp32", "bf16" or "8bit" moments; ``master``: "fp32" or "bf16".
     """
     params = parse_count(params)
     if grad_dtype not in DTYPES:
         raise ConfigError("grad_dtype", grad_dtype, "must be fp32, bf16 or fp16")
     if out_dtype not in ("none", "bf16", "fp16"):
         raise ConfigError("out_dtype", out_dtype, "must be none, bf16 or fp16")
-    if state not in ("fp32", "8bit"):
-        raise ConfigError("state", state, "must be fp32 or 8bit")
+    if state not in ("fp32", "bf16", "8bit"):
+        raise ConfigError("state", state, "must be fp32, bf16 or 8bit")
     if master not in ("fp32", "bf16"):
         raise ConfigError("master", master, "must be fp32 or bf16")
-    if master == "bf16" and state != "8bit":
-        raise ConfigError("master", master, "a bf16 master needs state='8bit' (--state 8bit)")
-    with_torch = with_torch and state == "fp32"
+    compressed = state != "fp32" or master != "fp32"
+    with_torch = with_torch and not compressed
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ConfigError("repeats", repeats, "must be an int >= 1")
     if threads is None:
@@ -131,9 +133,10 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
         raise ConfigError("threads", threads, "must be an int >= 1")
     available = native.simd_available()
     if levels is None:
-        # the 8-bit scalar kernel is the bit-for-bit reference (a binary search per moment, ~40x
-        # slower), not a contender: time it only when asked or when it is all the CPU runs
-        levels = list(reversed(available[1:] if state == "8bit" and len(available) > 1 else available))
+        # the compressed-state scalar kernels are the bit-for-bit references (the 8-bit one a
+        # binary search per moment, ~40x slower), not contenders: timed only when asked or when
+        # they are all the CPU runs
+        levels = list(reversed(available[1:] if compressed and len(available) > 1 else available))
     else:
         levels = list(levels)
     for level in levels:
@@ -175,9 +178,21 @@ def measure(params: int = 200_000_000, threads: int | None = None, grad_dtype: s
                                step=step[0], out=out, threads=threads, simd=level, **HPARAMS)
             return run
         sides = {f"offload_{level}": ours8(level) for level in levels}
-        sides["fp32_kernel"] = ours(native.simd_level() if native.simd_level() in levels else levels[0])
+    elif compressed:
+        master16 = param.to(DTYPES[master])
+        m16, v16 = torch.zeros(params, dtype=DTYPES[state]), torch.zeros(params, dtype=DTYPES[state])
+
+        def ours16(level):
+            def run():
+                step[0] += 1
+                adam_step(master16, grad, m16, v16, step=step[0], out=out, threads=threads,
+                          simd=level, **HPARAMS)
+            return run
+        sides = {f"offload_{level}": ours16(level) for level in levels}
     else:
         sides = {f"offload_{level}": ours(level) for level in levels}
+    if compressed:
+        sides["fp32_kernel"] = ours(native.simd_level() if native.simd_level() in levels else levels[0])
     sides["roofline"] = roofline
     old_threads = torch.get_num_threads()
     torch_sides = {}
@@ -265,10 +280,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--out-dtype", choices=("none", "bf16", "fp16"), default="none",
                         help="also write the updated parameters in this dtype (default none)")
-    parser.add_argument("--state", choices=("fp32", "8bit"), default="fp32",
-                        help="Adam moments: fp32, or block-wise 8-bit (default fp32)")
+    parser.add_argument("--state", choices=("fp32", "bf16", "8bit"), default="fp32",
+                        help="Adam moments: fp32, bf16 (stochastic rounding) or block-wise 8-bit "
+                             "(default fp32)")
     parser.add_argument("--master", choices=("fp32", "bf16"), default="fp32",
-                        help="master weights (bf16: stochastic rounding; needs --state 8bit)")
+                        help="master weights (bf16: stochastic rounding)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per side (median)")
     parser.add_argument("--simd", action="append", choices=native.SIMD_LEVELS, default=None,
                         help="time only this SIMD level (repeatable; default: every level the CPU runs)")

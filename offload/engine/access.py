@@ -96,9 +96,17 @@ class EngineChunks:
 
     def write_full(self, kind: str, c: int, values: torch.Tensor) -> None:
         info = self._infos[c]
-        if values.numel() != info.numel:
-            raise ConfigError("values", values.numel(), f"chunk {kind}[{c}] has {info.numel} elements")
-        self.write(kind, c, self._params.piece_of(c, values.reshape(-1)))
+        numel = info.kind_numel(kind) if kind in info.kinds else info.numel
+        if values.numel() != numel:
+            raise ConfigError("values", values.numel(), f"chunk {kind}[{c}] has {numel} elements")
+        values = values.reshape(-1)
+        if numel == info.numel:
+            self.write(kind, c, self._params.piece_of(c, values))
+            return
+        lo, hi = info.kind_span(kind)       # the scales of 8-bit moments: this rank's blocks
+        piece = torch.zeros(hi - lo, dtype=values.dtype)
+        piece[:max(0, min(hi, numel) - lo)] = values[lo:min(hi, numel)]
+        self.write(kind, c, piece)
 
     def staging(self, nbytes: int, count: int = 1) -> list[torch.Tensor]:
         # Whole 4 KiB blocks: a chunk's 1/N piece is read straight from NVMe by its slot's blocks.

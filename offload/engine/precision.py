@@ -6,12 +6,15 @@ the bytes each costs (``OffloadConfig.optimizer_state`` and ``.master``).
   (``offload.optim.quantized``), and ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` one fp32 scale per
   256-element block: 2 x (1 + 4/256) B per parameter. A block never straddles two ranks' pieces
   (``quantum``: the sharding rounds pieces to whole blocks), so a rank quantises only its own.
+* bf16 moments: ``exp_avg`` / ``exp_avg_sq`` bf16, stored by stochastic rounding (E's
+  ``native/adam16*.c``: nearest rounding would freeze ``exp_avg_sq``), 4 B per parameter.
 * fp32 master: a ``master`` chunk of fp32 beside the compute-precision ``param`` (compute fp32:
   the parameters are the master). bf16 master (stochastic rounding, native kernel): with bf16
   compute the ``param`` chunk itself is the master, updated in place -- no master kind at all;
   with fp16 compute a bf16 ``master`` kind.
 
-bf16 moments need a kernel that reads and writes them (not there yet): refused by name.
+Every bf16 the kernels store is rounded stochastically, bits hashed from (``SR_SEED``, step,
+element index in the whole layout): one process and N ranks round alike.
 """
 
 from __future__ import annotations
@@ -42,12 +45,6 @@ class StatePrecision:
     @classmethod
     def of(cls, config, compute: torch.dtype) -> "StatePrecision":
         moments, master = config.optimizer_state, config.master
-        if moments == "bf16":
-            raise ConfigError("optimizer_state", "bf16", "bf16 moments are not available yet (their kernel is "
-                                                         "still being written): use '8bit' or 'fp32'")
-        if master == "bf16" and moments == "fp32":
-            raise ConfigError("master", "bf16", "a bf16 master is updated by the 8-bit kernel only: set "
-                                                "optimizer_state='8bit' too, or keep master='fp32'")
         if master == "bf16" and compute == torch.float32:
             raise ConfigError("master", "bf16", "with dtype 'fp32' the fp32 parameters are the master")
         return cls(moments, master, compute)
@@ -78,7 +75,8 @@ class StatePrecision:
     def state_kinds(self) -> dict[str, torch.dtype]:
         """The Adam state kinds of a trainable chunk and their dtypes, moments first."""
         if not self.quantized:
-            return {kind: torch.float32 for kind in MOMENT_KINDS}
+            dtype = torch.bfloat16 if self.moments == "bf16" else torch.float32
+            return {kind: dtype for kind in MOMENT_KINDS}
         out = {kind: torch.uint8 for kind in MOMENT_KINDS}
         out.update({SCALE_KINDS[kind]: torch.float32 for kind in MOMENT_KINDS})
         return out
@@ -89,7 +87,7 @@ class StatePrecision:
 
     def state_bytes(self) -> float:
         """Bytes per parameter of the moments and a separate master (not the compute parameters)."""
-        moments = 2 * (1 + 4 / BLOCK_SIZE) if self.quantized else 8.0
+        moments = 2 * (1 + 4 / BLOCK_SIZE) if self.quantized else 4.0 if self.moments == "bf16" else 8.0
         return moments + (self.master_dtype.itemsize if self.separate_master else 0)
 
     def update_bytes(self, elements: int) -> int:

@@ -26,8 +26,7 @@ import functools
 import torch
 
 from ..optim.kernel import adam_step
-from ..optim.quantized import (BLOCK_SIZE, adam_step_8bit, dequantize, quantize, reference_bf16_sr,
-                               sr_key)
+from ..optim.quantized import BLOCK_SIZE, adam_step_8bit, dequantize, quantize
 from .precision import SR_SEED
 
 
@@ -79,14 +78,13 @@ def update_8bit(master: torch.Tensor, grad: torch.Tensor, states, out: torch.Ten
             continue
         m32 = dequantize(m[a:b], m_abs[ba:bb], True)
         v32 = dequantize(v[a:b], v_abs[ba:bb], False)
-        p32 = master[a:b].float() if master.dtype != torch.float32 else master[a:b]
         for start, end, h, step in group:
             s, e = start - a, end - a
-            adam_step(p32[s:e], grad[start:end], m32[s:e], v32[s:e], lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-                      eps=h.eps, weight_decay=h.weight_decay, step=step, decoupled=h.decoupled,
-                      grad_scale=grad_scale, maximize=h.maximize, threads=threads)
-            if master.dtype == torch.bfloat16:
-                master[start:end] = reference_bf16_sr(p32[s:e], sr_key(SR_SEED, step), index_base + start)
+            # A bf16 master is rounded with the bits the fused kernel would give it (same hash).
+            adam_step(master[start:end], grad[start:end], m32[s:e], v32[s:e], lr=h.lr, beta1=h.beta1,
+                      beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step, decoupled=h.decoupled,
+                      grad_scale=grad_scale, maximize=h.maximize, threads=threads, seed=SR_SEED,
+                      index_base=index_base + start)
             if out is not None:
                 out[start:end].copy_(master[start:end])
         codes, absmax = quantize(m32, True, threads=threads)

@@ -27,7 +27,7 @@ from ..chunks.states import ChunkState
 from ..errors import OffloadError
 from ..optim.kernel import adam_step
 from ..tiers.streams import use_device
-from .precision import SIGNED
+from .precision import SIGNED, SR_SEED
 from .quant_step import update_8bit, zero_code
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -181,11 +181,13 @@ class ChunkAdam:
                     update_8bit(master, grad, states, out, runs, params.piece_members(c),
                                 index_base=params.chunk_base[c] + params.span(c)[0], grad_scale=grad_scale,
                                 threads=self.threads)
+                base = params.chunk_base[c] + params.span(c)[0]      # the piece's place in the whole layout
                 for start, end, h, step in ([] if params.precision.quantized else runs):
                     adam_step(master[start:end], grad[start:end], states[0][start:end], states[1][start:end],
                               lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay,
                               step=step, decoupled=h.decoupled, grad_scale=grad_scale, maximize=h.maximize,
-                              out=None if out is None else out[start:end], threads=self.threads)
+                              out=None if out is None else out[start:end], threads=self.threads,
+                              seed=SR_SEED, index_base=base + start)     # bf16 state: rounding bits
                 if out is not None:
                     # Parameters skipped this step keep their values in the rewritten chunk.
                     self._copy_skipped(c, master, out, runs)

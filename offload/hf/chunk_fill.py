@@ -52,9 +52,9 @@ def chunk_values(chunks: ChunkAccess, info: ChunkInfo, covered: set[str], stagin
             staging["param"] = torch.empty(largest, dtype=compute, device="cpu")
     if all(s.name in covered for s in info.params if overlap(s, info.span) is not None):
         return staging["master"][: n * 4].view(torch.float32).zero_()
-    if kind == "master" or compute == torch.float32:
+    if compute == torch.float32 or (kind == "master" and info.kinds["master"] == torch.float32):
         return _read(chunks, kind, c, staging["master"])
-    current = _read(chunks, "param", c, staging["master"]).float()
+    current = _read(chunks, kind, c, staging["master"]).float()      # bf16 parameters, or a bf16 master
     return staging["master"][: n * 4].view(torch.float32).copy_(current)
 
 

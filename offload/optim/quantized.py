@@ -1,5 +1,7 @@
 """8-bit Adam state: the native fused step over raw chunk buffers, block-wise (de)quantisation,
-and a plain-torch reference of the same scheme that the tests hold the kernels to.
+and a plain-torch reference of the same scheme that the tests hold the kernels to (also the
+reference of the bf16-moment step, ``offload.optim.adam_step`` with bf16 state: both share the
+fp32 arithmetic and the stochastic rounding).
 
 The scheme is Dettmers et al. 2022 ("8-bit Optimizers via Block-wise Quantization", as
 bitsandbytes' AdamW8bit): ``exp_avg`` as codes of the signed dynamic map, ``exp_avg_sq`` of the
@@ -30,7 +32,8 @@ import torch
 
 from .. import native
 from ..errors import ConfigError
-from .kernel import GRAD_DTYPES, check_hparams, resolve_simd, resolve_threads
+from .kernel import (GRAD_DTYPES, check_hparams, check_int, check_seed, resolve_simd,
+                     resolve_threads)
 
 BLOCK_SIZE = 256
 MAX_BLOCK_SIZE = 4096
@@ -75,14 +78,6 @@ def _no_overlap(written: dict, read: dict) -> None:
                 raise ConfigError(b, "overlapping memory", f"must not overlap {a}")
 
 
-def _int(name: str, value, low: int) -> int:
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:
-        raise ConfigError(name, value, f"must be an integer >= {low}")
-    return int(value)
-
-
 def adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_absmax: torch.Tensor, exp_avg_sq: torch.Tensor,
                    exp_avg_sq_absmax: torch.Tensor, *, lr, beta1: float, beta2: float, eps: float,
@@ -123,13 +118,8 @@ def adam_step_8bit(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         grad_scale = grad_scale.item()
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale):
         raise ConfigError("grad_scale", grad_scale, "must be a finite number")
-    step = _int("step", step, 1)
-    seed = _int("seed", seed, 0)
-    if seed > 2**64 - 1:
-        raise ConfigError("seed", seed, "must fit in 64 bits")
-    index_base = _int("index_base", index_base, 0)
-    if index_base + n > 2**63 - 1:
-        raise ConfigError("index_base", index_base, f"index_base + numel ({n}) must stay below 2^63")
+    step = check_int("step", step, 1)
+    seed, index_base = check_seed(seed, index_base, n)
     nthreads = resolve_threads(threads)
     level = resolve_simd(simd)
     if n == 0:
@@ -239,13 +229,66 @@ def sr_key(seed: int, step: int) -> int:
     return mix(k ^ (step & _MASK32))
 
 
-def reference_bf16_sr(p: torch.Tensor, key: int, index_base: int) -> torch.Tensor:
-    """fp32 -> bf16 rounding up with probability (dropped bits) / 2^16, bits from the hash."""
-    idx = torch.arange(p.numel(), dtype=torch.int64) + index_base
-    r = _mix32((idx & _MASK32) ^ _mix32((idx >> 32) ^ key)) & 0xFFFF
-    u = p.reshape(-1).view(torch.int32).to(torch.int64) & _MASK32
-    h = torch.where(torch.isnan(p.reshape(-1)), (u >> 16) | 0x40, (u + r) >> 16)
+def sr_key_v(key: int) -> int:
+    """off__sr_key_v: the key of exp_avg_sq's random bits in the bf16-moment kernel."""
+    return int(_mix32(torch.tensor([(key ^ 0x5BD1E995) & _MASK32]))[0])
+
+
+def reference_sr_bits(key: int, index_base: int, n: int) -> torch.Tensor:
+    """off__sr_bits(key, index_base + i) for i < n, as int64 tensors holding uint32."""
+    idx = torch.arange(n, dtype=torch.int64) + index_base
+    return _mix32((idx & _MASK32) ^ _mix32((idx >> 32) ^ key))
+
+
+def reference_round_sr(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding up with probability (dropped bits) / 2^16, from the low 16 bits of
+    r; a NaN stays a quiet NaN."""
+    x = x.reshape(-1)
+    u = x.view(torch.int32).to(torch.int64) & _MASK32
+    h = torch.where(torch.isnan(x), (u >> 16) | 0x40, (u + (r & 0xFFFF)) >> 16)
     return torch.where(h >= 0x8000, h - 0x10000, h).to(torch.int16).view(torch.bfloat16)
+
+
+def reference_bf16_sr(p: torch.Tensor, key: int, index_base: int) -> torch.Tensor:
+    """The master's stochastic rounding: the low 16 bits of the element's hash."""
+    return reference_round_sr(p, reference_sr_bits(key, index_base, p.numel()))
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def reference_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
+                     grad_scale, maximize):
+    """The fp32 arithmetic both compressed-state kernels share, op for op: ``(p, m, v)``."""
+    g = g.float() * _f32(-grad_scale if maximize else grad_scale)
+    p = p.float()
+    if weight_decay != 0.0 and decoupled:
+        p = p - _f32(lr * weight_decay) * p
+    elif weight_decay != 0.0:
+        g = g + _f32(weight_decay) * p
+    m = m + _f32(1.0 - beta1) * (g - m)
+    v = v + _f32(1.0 - beta2) * (g * g - v)
+    # the denominator's bias correction folded into two constants, as the kernels do
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
+    step_bc2 = lr / (1.0 - beta1 ** float(step)) * bc2_sqrt
+    # sqrt in double, rounded once: torch's float32 sqrt (Sleef, 0.5001 ulp) is not always the
+    # correctly rounded one IEEE (and the kernel) give; double then float is (53 >= 2*24 + 2)
+    denom = torch.sqrt(v.double()).float() + _f32(eps * bc2_sqrt)
+    return p - (_f32(step_bc2) * m) / denom, m, v
+
+
+def _stored(p, master_dtype, out_dtype, r):
+    """The master as stored (bf16: stochastically rounded with r) and the out copy."""
+    if master_dtype == torch.bfloat16:
+        master = reference_round_sr(p, r)
+        p = master.float()
+    else:
+        master = p
+    out = None
+    if out_dtype is not None:
+        out = master if out_dtype == master_dtype else p.to(out_dtype)
+    return master, out
 
 
 def reference_adam_step_8bit(param, grad, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, *,
@@ -255,33 +298,33 @@ def reference_adam_step_8bit(param, grad, exp_avg, exp_avg_absmax, exp_avg_sq, e
     """The step of ``adam_step_8bit`` in torch, returning new tensors ``(param, exp_avg,
     exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, out)``; the constants are derived in double
     and rounded once, as the kernel does."""
-    def f32(v: float) -> torch.Tensor:
-        return torch.tensor(v, dtype=torch.float32)
-    g = grad.float() * f32(-grad_scale if maximize else grad_scale)
-    p = param.float()
-    if weight_decay != 0.0 and decoupled:
-        p = p - f32(lr * weight_decay) * p
-    elif weight_decay != 0.0:
-        g = g + f32(weight_decay) * p
     m = reference_dequantize(exp_avg, exp_avg_absmax, True, block_size)
     v = reference_dequantize(exp_avg_sq, exp_avg_sq_absmax, False, block_size)
-    m = m + f32(1.0 - beta1) * (g - m)
-    v = v + f32(1.0 - beta2) * (g * g - v)
-    # the denominator's bias correction folded into two constants, as the kernel does
-    bc2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
-    step_bc2 = lr / (1.0 - beta1 ** float(step)) * bc2_sqrt
-    # sqrt in double, rounded once: torch's float32 sqrt (Sleef, 0.5001 ulp) is not always the
-    # correctly rounded one IEEE (and the kernel) give; double then float is (53 >= 2*24 + 2)
-    denom = torch.sqrt(v.double()).float() + f32(eps * bc2_sqrt)
-    p = p - (f32(step_bc2) * m) / denom
-    if param.dtype == torch.bfloat16:
-        master = reference_bf16_sr(p, sr_key(seed, step), index_base)
-        p = master.float()
-    else:
-        master = p
-    out = None
-    if out_dtype is not None:
-        out = master if out_dtype == param.dtype else p.to(out_dtype)
+    p, m, v = reference_update(param, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                               weight_decay=weight_decay, step=step, decoupled=decoupled,
+                               grad_scale=grad_scale, maximize=maximize)
+    r = reference_sr_bits(sr_key(seed, step), index_base, p.numel())
+    master, out = _stored(p, param.dtype, out_dtype, r)
     mc, ma = reference_quantize(m, True, block_size)
     vc, va = reference_quantize(v, False, block_size)
     return master, mc, ma, vc, va, out
+
+
+def reference_adam_step_bf16(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
+                             weight_decay, step, decoupled=True, grad_scale=1.0, maximize=False,
+                             out_dtype=None, seed=0, index_base=0):
+    """The step of ``offload.optim.adam_step`` with bf16 moments and/or a bf16 master, in torch:
+    new tensors ``(param, exp_avg, exp_avg_sq, out)``. Every bf16 is stored by stochastic
+    rounding: the master with the low 16 bits of the element's hash (as the 8-bit kernel's),
+    exp_avg with its high 16 bits, exp_avg_sq with a second hash's low 16 bits."""
+    p, m, v = reference_update(param, grad, exp_avg.float(), exp_avg_sq.float(), lr=lr,
+                               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                               step=step, decoupled=decoupled, grad_scale=grad_scale,
+                               maximize=maximize)
+    key = sr_key(seed, step)
+    r = reference_sr_bits(key, index_base, p.numel())
+    if exp_avg.dtype == torch.bfloat16:
+        m = reference_round_sr(m, r >> 16)
+        v = reference_round_sr(v, reference_sr_bits(sr_key_v(key), index_base, p.numel()))
+    master, out = _stored(p, param.dtype, out_dtype, r)
+    return master, m, v, out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.optim.quantized import BLOCK_SIZE, blocks, reference_adam_step_8bit
+from offload.optim.quantized import BLOCK_SIZE, blocks, reference_adam_step_8bit, reference_adam_step_bf16
 
 
 class Flat8Adam:
@@ -17,7 +17,7 @@ class Flat8Adam:
     computes in its own dtype (its parameters are rewritten from the master after each step)."""
 
     def __init__(self, model, layout, master: torch.dtype, *, lr: float, weight_decay: float,
-                 betas=(0.9, 0.999), eps=1e-8, initial: dict | None = None):
+                 betas=(0.9, 0.999), eps=1e-8, initial: dict | None = None, moments: str = "8bit"):
         self.params = dict(model.named_parameters())
         initial = initial if initial is not None else {n: p.detach() for n, p in self.params.items()}
         self.layout = layout
@@ -33,6 +33,11 @@ class Flat8Adam:
             self.state[c] = [flat.to(master), torch.zeros(n, dtype=torch.uint8), zeros.clone(),
                              torch.zeros(n, dtype=torch.uint8), zeros.clone()]
         self.steps = 0
+        self.moments = moments      # "8bit", or "bf16" / "fp32" (the 16-bit kernel's reference)
+        if moments != "8bit":
+            dtype = torch.bfloat16 if moments == "bf16" else torch.float32
+            for st in self.state.values():
+                st[1], st[3] = (torch.zeros(st[0].numel(), dtype=dtype) for _ in range(2))
 
     def _slots(self, c):
         return [s for s in self.layout.slots if s.chunk == c]
@@ -47,11 +52,16 @@ class Flat8Adam:
                 g = self.params[s.name].grad
                 if g is not None:
                     grad[s.offset:s.end] = g.reshape(-1)
-            new = reference_adam_step_8bit(master, grad, m, ma, v, va, step=self.steps, out_dtype=dtype,
-                                           seed=0, index_base=self.base[c], **self.hp)
-            self.state[c] = list(new[:5])
+            if self.moments == "8bit":
+                new = reference_adam_step_8bit(master, grad, m, ma, v, va, step=self.steps, out_dtype=dtype,
+                                               seed=0, index_base=self.base[c], **self.hp)
+                self.state[c], out = list(new[:5]), new[5]
+            else:
+                p2, m2, v2, out = reference_adam_step_bf16(master, grad, m, v, step=self.steps, out_dtype=dtype,
+                                                           seed=0, index_base=self.base[c], **self.hp)
+                self.state[c] = [p2, m2, ma, v2, va]
             for s in self._slots(c):
-                self.params[s.name].copy_(new[5][s.offset:s.end].view(s.shape))
+                self.params[s.name].copy_(out[s.offset:s.end].view(s.shape))
 
     def zero_grad(self) -> None:
         for p in self.params.values():

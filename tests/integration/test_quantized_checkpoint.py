@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import offload
+from offload.checkpoint import verify_checkpoint
 from offload.checkpoint.format import PRECISION_VERSION, read_manifest
 from offload.errors import ConfigError
 from tests.helpers.ranks import launch
@@ -132,7 +133,10 @@ def assert_same_run(resumed: list[dict], saved: list[dict]) -> None:
 @pytest.mark.parametrize("case", [{}, {"dtype": "bf16", "master": "bf16"}])
 def test_one_process_round_trip_is_bit_identical(disk_tmp, case):
     saved = run("save", disk_tmp, 1, config=case)
-    manifest = read_manifest(next((disk_tmp / "ckpt").glob("step-*")))
+    ckpt = next((disk_tmp / "ckpt").glob("step-*"))
+    verdict = verify_checkpoint(ckpt)        # codes and scales checked like any chunk data
+    assert not verdict.problems and verdict.chunks > 0, verdict.problems
+    manifest = read_manifest(ckpt)
     assert manifest["version"] == PRECISION_VERSION
     assert manifest["precision"]["optimizer_state"] == "8bit"
     assert manifest["kinds"]["exp_avg"]["dtype"] == "uint8" and "exp_avg_sq_absmax" in manifest["kinds"]
@@ -149,11 +153,21 @@ def test_one_process_round_trip_is_bit_identical(disk_tmp, case):
 
 def test_two_ranks_reshard_to_one_process_at_block_boundaries(disk_tmp):
     saved = run("save", disk_tmp, 2)
+    assert not verify_checkpoint(next((disk_tmp / "ckpt").glob("step-*"))).problems
     assert all(lo % 256 == 0 for r in saved for lo, _ in r["spans"].values())
     resumed = run("resume", disk_tmp, 1)
     for key, got in resumed[0]["pieces"].items():
         want = whole(saved, key)
         assert (got is None and want is None) or torch.equal(got, want[:got.numel()]), key
+    assert_same_run(resumed, saved)
+
+
+def test_one_process_reshards_to_two_ranks_at_block_boundaries(disk_tmp):
+    saved = run("save", disk_tmp, 1, config={"dtype": "bf16", "master": "bf16"})
+    resumed = run("resume", disk_tmp, 2, config={"dtype": "bf16", "master": "bf16"})
+    for key, want in saved[0]["pieces"].items():
+        got = whole(resumed, key)
+        assert (got is None and want is None) or torch.equal(got[:want.numel()], want), key
     assert_same_run(resumed, saved)
 
 

@@ -29,10 +29,12 @@ def test_kinds_and_bytes_per_precision():
     # One chunk's update pinned together: at fp32 state exactly what the budgets always counted.
     assert fp32.update_bytes(4096) == 4096 * (4 + 4 + 4 + 4 + 2)
     assert q.update_bytes(4096) == 4096 * (4 + 2 + 1 + 1) + 2 * 16 * 4
-    with pytest.raises(ConfigError, match="bf16 moments"):
-        StatePrecision.of(OffloadConfig(optimizer_state="bf16"), torch.bfloat16)
+    b16 = StatePrecision.of(OffloadConfig(optimizer_state="bf16"), torch.bfloat16)
+    assert b16.state_kinds() == {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16}
+    assert b16.state_bytes() == 4 + 4 and b16.quantum == 1
+    assert StatePrecision.of(OffloadConfig(master="bf16"), torch.bfloat16).state_bytes() == 8
     with pytest.raises(ConfigError, match="master"):
-        StatePrecision.of(OffloadConfig(master="bf16"), torch.bfloat16)
+        StatePrecision.of(OffloadConfig(dtype="fp16", master="bf16"), torch.float32)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 16])
@@ -90,3 +92,29 @@ def test_a_fresh_moment_chunk_holds_the_code_of_zero():
     for signed in (True, False):
         codes, absmax = quantize(torch.zeros(BLOCK_SIZE), signed)
         assert torch.all(codes == zero_code(signed)) and torch.all(absmax == 0)
+
+
+def test_a_parameter_without_gradient_sharing_a_block_keeps_its_values():
+    """One run [0, 300) beside a parameter [300, 1024) that got no gradient: the run's blocks are
+    updated in fp32 and quantised again; the other parameter's master is untouched and its
+    moments change only by the re-rounding under its blocks' new scales (at most one code step
+    of the map: the widest gap, times the scale)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1024
+    master = torch.randn(n, generator=gen) * 0.1
+    grad = torch.randn(n, generator=gen) * 1e-2
+    state = _state(n, torch.Generator().manual_seed(1))
+    before_m = dequantize(state[0], state[2], True)
+    h = Hyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+    new = master.clone()
+    update_8bit(new, grad, state, None, [(0, 300, h, 1)], [(None, 0, 300), (None, 300, 1024)],
+                index_base=0, grad_scale=1.0, threads=1)
+    assert torch.equal(new[300:], master[300:])
+    assert not torch.equal(new[:300], master[:300])
+    after_m = dequantize(state[0], state[2], True)
+    from offload.optim.quantized import qmap
+    signed = qmap(True)
+    gap = float((signed[1:] - signed[:-1]).max())
+    scale = float(state[2].max().clamp(min=before_m.abs().max()))
+    assert (after_m[512:] == before_m[512:]).all()          # blocks the run never touched: not requantised
+    assert (after_m[300:512] - before_m[300:512]).abs().max() <= gap * scale
