@@ -124,7 +124,10 @@ def train(model_name: str, variant: str, train_batches, eval_batch) -> dict:
         losses, t0 = [], time.perf_counter()
         for step, ids in enumerate(train_batches):
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, len(train_batches))
+                if isinstance(group["lr"], torch.Tensor):     # torchao keeps lr a tensor, refills it
+                    group["lr"].fill_(lr_at(step, len(train_batches)))
+                else:
+                    group["lr"] = lr_at(step, len(train_batches))
             loss = model(ids, labels=ids).loss
             loss.backward()
             opt.step()

@@ -10,11 +10,6 @@ import time
 from ..errors import OffloadError
 
 BYTES_PER_PARAM = 14          # bf16 param (2) + fp32 master, exp_avg, exp_avg_sq (4 each)
-# Bytes per parameter of one Adam moment at each --state precision: 8-bit codes carry one fp32
-# absmax per 256-element block (offload.optim.quantized.BLOCK_SIZE).
-MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
-# A bf16 master under bf16 compute IS the parameter (no separate copy): 0 extra bytes.
-MASTER_BYTES = {"fp32": 4.0, "bf16": 0.0}
 DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
 STEPS_PER_SAMPLE = 2          # a sample is two steps back to back (offload.bench.step's docstring)
 
@@ -23,7 +18,11 @@ def bytes_per_param(state: str = "fp32", master: str = "fp32") -> float:
     """State bytes per parameter of the bf16 model the step benchmarks train: the bf16 parameter,
     the master (none beside a bf16 parameter when the master is bf16) and both moments at ``state``
     (14.0 for fp32 state, about 4.03 for 8-bit moments with a bf16 master)."""
-    return 2.0 + MASTER_BYTES[master] + 2 * MOMENT_BYTES[state]
+    import torch
+
+    from ..engine.precision import StatePrecision
+
+    return 2.0 + StatePrecision(state, master, torch.bfloat16).state_bytes()
 
 
 class BenchStepError(OffloadError):
