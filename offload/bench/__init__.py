@@ -7,7 +7,8 @@
   ``workload`` (the model, batch and sample timing, shared with ``--nproc``), ``step_bound`` (the
   bound's arithmetic), ``in_memory`` (the everything-fits comparison with torch), ``replay`` (a
   step's NVMe requests replayed alone), ``pcie`` (host<->device copy rates), ``step_report``
-  (the printed lines).
+  (the printed lines); ``step_precision`` (``--state A,B --master X,Y``: optimizer-state
+  precisions side by side, taking turns).
 * ``distributed`` — ``offload bench step --nproc N``: the launcher and the run;
   ``distributed_rank`` one rank's work, ``collectives`` the byte counter both systems are measured
   with, ``distributed_report`` the figures over ranks, their ratios and the printed lines.

@@ -66,10 +66,11 @@ from .in_memory import compare_in_memory
 from .step_bound import breakdown_of, default_budgets, step_bound
 from .step_report import print_report
 from .workload import (
-    BYTES_PER_PARAM,
+    DISK_MARGIN,
     STEPS_PER_SAMPLE,
     BenchStepError,
     build_model,
+    bytes_per_param,
     offload_steps,
     time_compute,
     token_batch,
@@ -77,7 +78,6 @@ from .workload import (
 
 MIN_STATE_OVER_CPU = 4        # the issue's "total state >= 4x the CPU budget"
 PER_RANK_TOKENS = 512         # --batch-tokens' default, per rank
-DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", default="auto", metavar="ELEMENTS",
                         help="with --nproc > 1: elements per chunk (default: the least wasteful size that "
                              "leaves each rank >= 4 chunks)")
+    parser.add_argument("--state", default=None, metavar="fp32|bf16|8bit[,...]",
+                        help="precision of the Adam moments (default fp32); several, comma-separated, are "
+                             "compared side by side in one run, taking turns (offload.bench.step_precision)")
+    parser.add_argument("--master", default=None, metavar="fp32|bf16[,...]",
+                        help="precision of the master weights (default fp32; bf16: stochastic rounding); "
+                             "paired with --state position by position, one value applies to all")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the JSON here")
 
 
@@ -141,12 +147,14 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
             warmup: int = 3, batch_tokens: int = 512, cpu_budget=None, device_budget=None,
             device: str = "auto", nvme_size="256M", replay_repeats: int = 3, adam_repeats: int = 3,
             in_memory: bool = True, quiet: bool = True, lr: float = 1e-4,
-            batch_curve: list[int] | None = None) -> dict:
+            batch_curve: list[int] | None = None, state: str = "fp32", master: str = "fp32") -> dict:
     """Run the benchmark; returns the JSON dict described in the module doc.
 
     ``path`` must exist (the command creates it); everything written under it is removed before
     returning. Raises ``ConfigError`` for bad arguments and ``BenchStepError`` when the disk lacks
-    space or the budgets do not make the run an offload run.
+    space or the budgets do not make the run an offload run. ``state``/``master``: the optimizer
+    state's precision (``OffloadConfig.optimizer_state``/``.master``; ``compare`` in
+    ``offload.bench.step_precision`` runs several side by side).
     """
     import torch
 
@@ -173,7 +181,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
 
     ref_model, cfg = build_model(preset, device)
     params = sum(p.numel() for p in ref_model.parameters())
-    state_bytes = BYTES_PER_PARAM * params
+    state_bytes = int(bytes_per_param(state, master) * params)
     cpu_b, dev_b = default_budgets(state_bytes, cpu_budget, device_budget)
     notes = []
     if state_bytes < MIN_STATE_OVER_CPU * cpu_b:
@@ -200,7 +208,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         model, _ = build_model(preset, device)
         model = model.cpu() if device == "cuda" else model
         config = OffloadConfig(device=device, dtype="bf16", device_budget=dev_b, cpu_budget=cpu_b,
-                               nvme_paths=[work], aio=aio)
+                               nvme_paths=[work], aio=aio, optimizer_state=state, master=master)
         model = offload.wrap(model, config)
         try:
             opt = offload.AdamW(model.parameters(), lr=lr)
@@ -243,9 +251,13 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         # bf16 gradient chunks (no accumulation), the bf16 copy written
         threads = physical_cores()
         _say(f"Adam roofline: {params / 1e6:.1f}M params, {threads} threads", quiet)
+        # 8-bit: the roofline's bandwidth over the 8-bit kernel's own bytes per parameter; bf16
+        # moments have no kernel of their own in that benchmark: fp32's roofline stands in
         adam = adam_bench.measure(params=params, threads=threads, grad_dtype="bf16", out_dtype="bf16",
-                                  repeats=adam_repeats, with_torch=False, levels=[simd_level()])
-        roof = adam["results"]["roofline"]["params_per_s"]
+                                  repeats=adam_repeats, with_torch=False, levels=[simd_level()],
+                                  state="8bit" if state == "8bit" else "fp32",
+                                  master=master if state == "8bit" else "fp32")
+        roof = adam["results"]["roofline"]["gbps"] * 1e9 / adam["bytes_per_param"]
         pcie = None
         if device == "cuda":
             from . import pcie as pcie_bench
@@ -276,7 +288,7 @@ def measure(path: str | os.PathLike = "./offload-nvme", preset: str = "small", s
         "nvme_replay_s": replay_s,
         "nvme_replay_gbps": replay_bytes / replay_s / 1e9 if replay_s else None,
     })
-    breakdown["run"] = {"preset": preset, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
+    breakdown["run"] = {"state": state, "master": master, "preset": preset, "device_budget": dev_b, "batch_tokens": int(ids.numel()),
                         "steps": steps, "warmup": warmup, "notes": notes}
     report = {
         "device": device, "params": params, "state_bytes": state_bytes, "cpu_budget": cpu_b,
@@ -322,15 +334,38 @@ def default_tokens(args) -> int:
 
 
 def run(args) -> int:
+    from . import step_precision
+
+    precisions = step_precision.parse_precisions(args.state, args.master)
     if args.nproc != 1:
+        if precisions != [("fp32", "fp32")]:
+            raise ConfigError("--state/--master", "/".join(precisions[0]), "is measured with --nproc 1 only")
         return _run_distributed(args)
+    if len(precisions) > 1:
+        return _run_precisions(args, precisions)
+    (state, master), = precisions
     with scratch_dir(args.path, remove_tree=True) as path:
-        report = measure(path, preset=args.preset, steps=args.steps, warmup=args.warmup,
+        report = measure(path, state=state, master=master, preset=args.preset, steps=args.steps, warmup=args.warmup,
                          batch_tokens=default_tokens(args), cpu_budget=args.cpu_budget,
                          device_budget=args.device_budget, device=args.device, nvme_size=args.nvme_size,
                          in_memory=not args.no_in_memory, quiet=False,
                          batch_curve=parse_batch_curve(args.batch_curve))
     print_report(report)
+    write_json(args.json, report)
+    return 0
+
+
+def _run_precisions(args, precisions) -> int:
+    from . import step_precision
+
+    if args.batch_curve:
+        raise ConfigError("--batch-curve", args.batch_curve, "is not measured when several --state/--master are "
+                                                             "compared")
+    with scratch_dir(args.path, remove_tree=True) as path:
+        report = step_precision.compare(path, precisions, preset=args.preset, steps=args.steps, warmup=args.warmup,
+                                        batch_tokens=default_tokens(args), cpu_budget=args.cpu_budget,
+                                        device_budget=args.device_budget, device=args.device, quiet=False)
+    step_precision.print_report(report)
     write_json(args.json, report)
     return 0
 

@@ -10,7 +10,19 @@ import time
 from ..errors import OffloadError
 
 BYTES_PER_PARAM = 14          # bf16 param (2) + fp32 master, exp_avg, exp_avg_sq (4 each)
+DISK_MARGIN = 1.5             # swap files: state plus chunk padding and a second parameter copy
 STEPS_PER_SAMPLE = 2          # a sample is two steps back to back (offload.bench.step's docstring)
+
+
+def bytes_per_param(state: str = "fp32", master: str = "fp32") -> float:
+    """State bytes per parameter of the bf16 model the step benchmarks train: the bf16 parameter,
+    the master (none beside a bf16 parameter when the master is bf16) and both moments at ``state``
+    (14.0 for fp32 state, about 4.03 for 8-bit moments with a bf16 master)."""
+    import torch
+
+    from ..engine.precision import StatePrecision
+
+    return 2.0 + StatePrecision(state, master, torch.bfloat16).state_bytes()
 
 
 class BenchStepError(OffloadError):

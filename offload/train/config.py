@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from .checks import (at_least, byte_size, choice, non_negative_float, non_negative_int, path_list,
                      positive_float, positive_int, text)
 
+from ..config import MASTERS, OPTIMIZER_STATES
 from ..plan.defaults import BATCH_TOKENS, SEQ_LEN   # the one place `offload plan` shares them from
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -103,6 +104,11 @@ class OptimizerConfig:
     weight_decay: float = option(0.1, "AdamW's decoupled weight decay", check=non_negative_float)
     warmup: int = option(5, "linear warm-up steps, then cosine decay", check=non_negative_int)
     max_grad_norm: float | None = option(None, "clip the global gradient norm", check=positive_float)
+    state: str = option("fp32", "precision of the Adam moments: fp32 (exact torch AdamW), bf16, or 8bit (block-wise "
+                                "quantised: a quarter of fp32's bytes)", check=choice(OPTIMIZER_STATES),
+                        flag="--optimizer-state")
+    master: str = option("fp32", "precision of the master weights: fp32, or bf16 (stochastic rounding; with "
+                                 "--dtype bf16 the parameters are the master)", check=choice(MASTERS))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

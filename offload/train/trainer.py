@@ -83,7 +83,8 @@ class Trainer:
             self.tokenizer, self.data = self.build_data()
             self.engine_config = offload.OffloadConfig(
                 dtype=c.model.dtype, device_budget=c.budgets.device_budget, cpu_budget=c.budgets.cpu_budget,
-                nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto")
+                nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto",
+                optimizer_state=c.optimizer.state, master=c.optimizer.master)
 
     @property
     def data_world(self) -> int:
