@@ -45,6 +45,7 @@ def make_plan(config: TrainConfig, cfg, engine_config, described=None, ranks: Ra
                     # --chunk-size, or a resumed checkpoint's: the layout the engine will build.
                     chunk_size=None if engine_config.chunk_size == "auto" else int(engine_config.chunk_size),
                     defer_step=config.optimizer.max_grad_norm is not None,
+                    optimizer_state=config.optimizer.state, master=config.optimizer.master,
                     world=ranks.world, local_world=ranks.local_world)
     # The planner chooses where activations wait, the device budget, and how many passes a step
     # takes (among those that split each rank's sequences evenly).

@@ -56,3 +56,21 @@ def test_the_run_trains_with_the_chosen_precision(tmp_path, monkeypatch):
     # 8-bit moments carry one fp32 scale per block; a bf16 master under bf16 compute is the parameter itself
     assert {"exp_avg_absmax", "exp_avg_sq_absmax"} <= kinds and "master" not in kinds
     assert len(trainer.losses) == 2 and all(math.isfinite(x) for x in trainer.losses)
+
+
+def test_the_run_plans_with_the_chosen_precision():
+    """The trainer's plan counts the optimizer state the engine will hold: 8-bit moments and a bf16
+    master (the bf16 parameters themselves) leave 4.03 B a parameter of state beside the
+    parameters and fp32 gradients, where fp32 Adam keeps 12."""
+    import offload
+    from offload.models import get_preset
+    from offload.train.planning import make_plan
+
+    per_param = {}
+    for state, master in (("fp32", "fp32"), ("8bit", "bf16")):
+        config = parse(QUICK[:-4] + ["--optimizer-state", state, "--master", master])
+        engine_config = offload.OffloadConfig(dtype="bf16", optimizer_state=state, master=master)
+        plan, _, _ = make_plan(config, get_preset("tiny"), engine_config)
+        per_param[state] = plan.breakdown["state_bytes_per_param"]
+    # fp32 master + moments (12 B) against 8-bit moments with their scales (2 x (1 + 4/256) B)
+    assert per_param["fp32"] - per_param["8bit"] == pytest.approx(12 - 2 * (1 + 4 / 256))
