@@ -49,9 +49,10 @@ def check_pipeline(config: TrainConfig, world: int) -> None:
     # would refuse it only after the build, naming its own argument): each stage needs a unit.
     units = get_preset(m.preset_name).num_layers + 2        # embedding, the layers, norm + LM head
     if stages > units:
-        raise ConfigError("--pp", pp, f"{stages} stages under --schedule {par.schedule} exceed "
-                                      f"llama-{m.preset_name.lower().removeprefix('llama-')}'s {units} units to cut (embedding, "
-                                      f"{units - 2} layers, norm + LM head: each stage needs one)")
+        name = "llama-" + m.preset_name.lower().removeprefix("llama-")
+        raise ConfigError("--pp", pp, f"{stages} stages under --schedule {par.schedule} exceed {name}'s {units} "
+                                      f"units to cut (embedding, {units - 2} layers, norm + LM head: each stage "
+                                      "needs one)")
     mb = micro_batches(config)
     if par.schedule == "1f1b" and mb < stages:
         raise ConfigError("--micro-batches", mb, f"must be >= the {stages} stages under --schedule 1f1b")
