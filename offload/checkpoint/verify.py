@@ -4,6 +4,7 @@ the manifest; ``offload checkpoint verify DIR`` prints the summary."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,28 @@ def _verify_kind(ckpt: Path, kind: str, info: dict, algorithm: str, verdict: Ver
     verdict.chunks += sum(c not in bad for c, _ in entries)
 
 
+# offload.pipeline.checkpoint's manifest of a `finetune --pp` checkpoint step-N/ (stage-*/ below it hold
+# engine checkpoints): named here, not imported, since that package sits above this one.
+PIPELINE_MANIFEST = "pipeline.json"
+
+
+def _verify_pipeline(step: Path) -> list[Verdict]:
+    """One verdict per stage of pipeline checkpoint ``step`` (each stage-*/ is its own checkpoint
+    root): the stages pipeline.json lists, else those present."""
+    try:
+        dirs = [str(s["dir"]) for s in json.loads((step / PIPELINE_MANIFEST).read_text())["stages"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        dirs = sorted(p.name for p in step.glob("stage-*") if p.is_dir())
+    if not dirs:
+        return [Verdict(str(step), problems=[f"{PIPELINE_MANIFEST}: no stages listed or present"])]
+    verdicts = []
+    for name in dirs:
+        stage = step / name
+        found = verify_root(stage)[0] if stage.is_dir() else []
+        verdicts += found or [Verdict(str(stage), problems=[f"{name}: no complete checkpoint of this stage"])]
+    return verdicts
+
+
 def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]:
     """Verdicts of every complete checkpoint under ``directory`` (oldest first; or of
     ``directory`` itself when it is one checkpoint), and notes on the rest (incomplete
@@ -124,22 +147,33 @@ def verify_root(directory: str | os.PathLike) -> tuple[list[Verdict], list[str]]
         raise ConfigError("DIR", str(root), "is not a directory")
     if is_complete(root):
         return [verify_checkpoint(root)], []
+    if (root / PIPELINE_MANIFEST).is_file():
+        return _verify_pipeline(root), []
     notes = []
     found = []
+    staged = []
     for entry in sorted(root.iterdir()):
         m = STEP_NAME.match(entry.name)
         if m and entry.is_dir():
-            if is_complete(entry):
+            if (entry / PIPELINE_MANIFEST).is_file():
+                staged.append((int(m.group(1)), entry))
+            elif is_complete(entry):
                 found.append((int(m.group(1)), entry))
             else:
                 notes.append(f"{entry.name}: incomplete (no manifest), ignored by --resume")
         elif TEMP_NAME.match(entry.name):
             notes.append(f"{entry.name}: left by an interrupted save, removed by the next save")
     verdicts = [verify_checkpoint(p) for _, p in sorted(found)]
+    for _, p in sorted(staged):
+        verdicts += _verify_pipeline(p)
     latest = root / LATEST
     if latest.is_file():
         notes.append(f"{LATEST} -> {latest.read_text().strip()}")
-    if verdicts:
+    if staged:
+        # A resume loads the newest checkpoint when it is a pipeline one, without falling back.
+        notes.append(f"pipeline checkpoints: {', '.join(p.name for _, p in sorted(staged))} (per stage above); "
+                     "--resume loads the newest checkpoint and does not fall back when it is one of them")
+    elif verdicts:
         # Which one a resume loads: the first candidate that verifies.
         good = {v.path for v in verdicts if v.ok}
         chosen = next((p for p in candidates(root) if str(p) in good), None)
@@ -161,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
         raise OffloadError(f"no complete checkpoint in {args.dir}")
     for v in verdicts:
         name = Path(v.path).name
+        if Path(v.path).parent.parent.joinpath(PIPELINE_MANIFEST).is_file():      # step-N/stage-S/step-N
+            name = str(Path(v.path).relative_to(Path(v.path).parent.parent.parent))
+        elif Path(v.path).parent.joinpath(PIPELINE_MANIFEST).is_file():             # a stage without one
+            name = str(Path(v.path).relative_to(Path(v.path).parent.parent))
         if v.ok:
             ranks = f" of {v.world} ranks" if v.world > 1 else ""
             pieces = f" ({v.pieces} pieces)" if v.pieces != v.chunks else ""

@@ -150,6 +150,9 @@ class HFStage(nn.Module):
         self.full_names = _full_names(model, self)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.mask_free = impl == "sdpa" or impl.startswith("flash")
+        # Mistral (and Gemma 2's sliding layers) mask keys older than the window; the stages
+        # build no such mask, so they equal the model only on sequences within it.
+        self.window = getattr(model.config, "sliding_window", None)
 
     def _mask(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.mask_free:
@@ -159,6 +162,11 @@ class HFStage(nn.Module):
         return torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(above, torch.finfo(x.dtype).min)[None, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.window is not None and x.shape[1] > self.window:
+            raise ConfigError("sliding_window", self.window,
+                              f"is shorter than the micro-batch's {x.shape[1]} tokens: pipeline stages attend "
+                              "causally over the whole sequence (no sliding-window mask yet); use sequences "
+                              f"of at most {self.window} tokens")
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
@@ -172,6 +180,21 @@ class HFStage(nn.Module):
         return x
 
 
+# Config fields by which a family's top-level forward scales the embedding's output or the logits
+# (Granite, Gemma 2/3, Cohere): the stages run only the submodules, so a value other than the
+# neutral one would make them another model.
+_UNREPRODUCED = {"embedding_multiplier": 1.0, "logits_scaling": 1.0, "final_logit_softcapping": None,
+                 "logit_scale": 1.0}
+
+
+def _refuse_unreproduced(config) -> None:
+    for field, neutral in _UNREPRODUCED.items():
+        value = getattr(config, field, neutral)
+        if value != neutral:
+            raise ConfigError(field, value, "is not reproduced by pipeline stages (the model's own forward "
+                                            f"applies it outside its layers); only {neutral} can be cut")
+
+
 def split_hf(model, stages: int, *, balance="params", probe: tuple[int, int] = (1, 128)) -> list[HFStage]:
     """An HF causal LM of the LLaMA family cut into ``stages`` balanced stage modules (``balance``
     and ``probe``: as ``split_llama``'s)."""
@@ -182,6 +205,7 @@ def split_hf(model, stages: int, *, balance="params", probe: tuple[int, int] = (
                           "is not an HF causal LM of the LLaMA family (model.model.embed_tokens, .layers, "
                           ".norm, .rotary_emb and model.lm_head)")
     _refuse_tied(inner.embed_tokens, model.lm_head)
+    _refuse_unreproduced(model.config)
     costs = [_params(inner.embed_tokens), *(_params(layer) for layer in inner.layers),
              _params(inner.norm, model.lm_head)]
     n = len(costs)

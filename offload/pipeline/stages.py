@@ -126,6 +126,7 @@ class StagedModel:
         self.config = dataclasses.replace(config, gradient_accumulation_steps=micro_batches,
                                           activation_backward_order="micro-batches" if order == "auto" else order)
         self.micro_batches = micro_batches
+        self.batch_shape = (micro_batches * micro_batch[0], micro_batch[1])     # what step() takes
         self.schedule_name, self.dp = schedule, dist.get_world_size(dp_group)
         # every stage's units and parameter names (split_llama / split_hf record them): what a
         # checkpoint's manifest says each stage holds
@@ -186,6 +187,17 @@ class StagedModel:
         losses: list | None = [] if self.has_last else None
         args = (input_ids,) if self.has_first else ()
         try:
+            # Inside the try: a refused batch marks this rank failed, so its peers (already waiting
+            # for its activations) end with a DistributedError naming it.
+            for name, x, mine in (("input_ids", input_ids, self.has_first), ("labels", labels, self.has_last)):
+                if mine and tuple(x.shape) != self.batch_shape:
+                    # The stages' shapes are static (built from micro_batch): another size would
+                    # abort the receiving rank inside gloo, or fail in the loss.
+                    b, t = self.batch_shape
+                    raise ConfigError(name, f"tensor {tuple(x.shape)}",
+                                      f"has shape {tuple(x.shape)} but the stages were built for {self.batch_shape} "
+                                      f"(micro_batches {self.micro_batches} x micro_batch "
+                                      f"({b // self.micro_batches}, {t}))")
             self.schedule.step(*args, target=labels if self.has_last else None, losses=losses)
         except DistributedError:
             raise

@@ -17,6 +17,7 @@ from .cluster_report import cluster_json, format_cluster
 from .flags import positive_flag, positive_int_flag
 from .inputs import Hardware, Policy
 from .model import resolve_model
+from .schedule_theory import runnable
 from .stage_layout import ASSUMED_INTER_BOX_GBPS, ASSUMED_INTRA_BOX_GBPS, Cluster
 
 __all__ = ["cluster_flags", "run_cluster"]
@@ -53,6 +54,12 @@ def cluster_flags(args: argparse.Namespace) -> Cluster | None:
     if pp is not None and cluster.ranks % pp:
         raise ConfigError("--pp", pp, f"must divide the cluster's {cluster.ranks} GPUs (--boxes {boxes} x "
                                       f"--gpus-per-box {gpus})")
+    m, schedule = getattr(args, "micro_batches", None), getattr(args, "schedule", None)
+    if pp is not None and schedule and m is not None and not runnable(schedule, pp, m):
+        # Said here rather than as "no pipeline fits": nothing was planned, nothing was too big.
+        raise ConfigError("--micro-batches", m, f"cannot run --schedule {schedule} over --pp {pp} (torch's "
+                                                "schedule refuses it: 1F1B wants at least P micro-batches, the "
+                                                "interleaved ones whole rounds of P)")
     return cluster
 
 

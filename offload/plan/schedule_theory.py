@@ -66,7 +66,9 @@ def _rounds(pp: int, micro_batches: int) -> tuple[int, int]:
 
 def runnable(schedule: str, pp: int, micro_batches: int) -> bool:
     """Does torch's schedule accept ``micro_batches`` over ``pp`` ranks? (The interleaved ones want
-    M to be a multiple of max(1, M // P).)"""
+    M to be a multiple of max(1, M // P); 1F1B at least P.)"""
+    if schedule == "1f1b":
+        return micro_batches >= pp
     if stages_per_rank(schedule) == 1 or schedule == "looped-bfs":
         return micro_batches >= 1
     rounds, _ = _rounds(pp, micro_batches)

@@ -10,6 +10,7 @@ micro-batches as stages; the interleaved schedules split the micro-batches into 
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..models.llama import get_preset
 from .config import TrainConfig
 
 
@@ -44,6 +45,14 @@ def check_pipeline(config: TrainConfig, world: int) -> None:
                           "with --pp 1 and more --steps (it reshards by layer) to go on and write it there")
     several = par.schedule in ("interleaved-1f1b", "looped-bfs", "zero-bubble")
     stages = 2 * pp if several else pp
+    # Caught here, before every rank builds the preset, and said with the flag (the cut itself
+    # would refuse it only after the build, naming its own argument): each stage needs a unit.
+    units = get_preset(m.preset_name).num_layers + 2        # embedding, the layers, norm + LM head
+    if stages > units:
+        name = "llama-" + m.preset_name.lower().removeprefix("llama-")
+        raise ConfigError("--pp", pp, f"{stages} stages under --schedule {par.schedule} exceed {name}'s {units} "
+                                      f"units to cut (embedding, {units - 2} layers, norm + LM head: each stage "
+                                      "needs one)")
     mb = micro_batches(config)
     if par.schedule == "1f1b" and mb < stages:
         raise ConfigError("--micro-batches", mb, f"must be >= the {stages} stages under --schedule 1f1b")

@@ -38,3 +38,33 @@ def test_tied_hf_models_and_other_families_are_refused():
     gpt2 = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2"))
     with pytest.raises(ConfigError, match="LLaMA family"):
         split_hf(gpt2, 2)
+
+
+def _chain(modules, ids):
+    for m in modules:
+        ids = m(ids)
+    return ids
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused_not_ignored():
+    """Stages attend causally over the whole micro-batch: within the window that is the model's
+    own attention, past it the model would have masked what the stages let through."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **{**tiny_config("llama").to_diff_dict(), "sliding_window": 8, "tie_word_embeddings": False})).eval()
+    modules = split_hf(model, 2)
+    short = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(_chain(modules, short), model(short).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="sliding_window=8: is shorter than the micro-batch's 12 tokens"):
+        _chain(modules, torch.randint(0, 256, (2, 12)))
+
+
+@pytest.mark.parametrize("field, value", [("logits_scaling", 2.0), ("embedding_multiplier", 3.0)])
+def test_a_scaled_granite_is_refused_not_cut_without_its_scales(field, value):
+    """Granite scales the embedding's output and divides the logits in the model's forward, which
+    the stages do not run: cut anyway, the stages would compute another model."""
+    cfg = transformers.GraniteConfig(**{**tiny_config("llama").to_diff_dict(), field: value,
+                                        "tie_word_embeddings": False})
+    model = transformers.GraniteForCausalLM(cfg)
+    with pytest.raises(ConfigError, match=f"{field}={value}: is not reproduced by pipeline stages"):
+        split_hf(model, 2)

@@ -29,6 +29,10 @@ def test_the_flag_offers_the_librarys_schedules():
      "--micro-batches=5: must be a multiple of its 2 rounds"),
     (["--pp", "2", "--micro-batches", "3"], 2, "--micro-batches=3: must divide the step's 8 sequences"),
     (["--pp", "2", "--batch-tokens", "96"], 4, "must split evenly over 2 data-parallel ranks"),
+    # tiny: embedding, 4 layers, norm + head = 6 units; 4 ranks x 2 stages each = 8 stages
+    (["--pp", "4", "--schedule", "interleaved-1f1b", "--micro-batches", "4"], 4,
+     "--pp=4: 8 stages under --schedule interleaved-1f1b exceed llama-tiny's 6 units to cut"),
+    (["--pp", "8"], 8, "--pp=8: 8 stages under --schedule 1f1b exceed llama-tiny's 6 units to cut"),
 ])
 def test_a_bad_pipeline_combination_names_its_flag(flags, world, message):
     with pytest.raises(ConfigError) as err:

@@ -183,7 +183,9 @@ def test_cli_plans_a_cluster(capsys):
                                         (["--boxes", "2", "--world", "4"], "--world"),
                                         (["--boxes", "2", "--net-gbps", "10"], "--net-gbps"),
                                         (["--gpus-per-box", "4"], "--gpus-per-box"),
-                                        (["--pp", "2"], "--pp")])
+                                        (["--pp", "2"], "--pp"),
+                                        (["--boxes", "2", "--pp", "4", "--schedule", "1f1b", "--micro-batches", "2"],
+                                         "--micro-batches=2: cannot run --schedule 1f1b over --pp 4")])
 def test_cli_cluster_errors_name_the_flag(capsys, extra, flag):
     assert main(CLI + extra) != 0
     err = capsys.readouterr().err
@@ -204,3 +206,10 @@ def test_cli_cluster_of_cpu_boxes_names_gpu_mem(capsys):
                  "--nvme-capacity", "1T", "--nvme-gbps", "5", "--adam-params-per-s", "1e9"]) == 1
     err = capsys.readouterr().err
     assert "--gpu-mem" in err and "Traceback" not in err
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_not_runnable():
+    """torch's Schedule1F1B raises for M < P (and finetune --pp refuses it): the planner must not
+    plan it under an explicit --micro-batches."""
+    assert not runnable("1f1b", 4, 2)
+    assert runnable("1f1b", 4, 4) and runnable("gpipe", 4, 2)
