@@ -90,6 +90,19 @@ static int build_buckets(const float *mid, uint32_t *tab)
     return 1;
 }
 
+/* code[] of one map from its bucket table (see adam8_internal.h); unused entries stay 0. */
+static void build_code_table(const uint32_t *bucket, uint32_t *code)
+{
+    for (uint32_t hi = OFF_QC_LO; hi <= 0x3f80u; hi++) { /* x > 0: bucket of hi */
+        uint32_t e = bucket[off__qbucket(hi << 16)];
+        code[hi - OFF_QC_LO] = (((e & 0xffu) - hi) << 16) + (0xffffu - (e >> 16));
+        /* x < 0 with |x|'s high half hi: u' = ~bits, whose high half is 0x7fff - hi; the
+         * code is base + (t > low half of |x|) = base + carry(t + (0xffff - low half)) */
+        uint32_t n = bucket[OFF_QB_N + off__qbucket(hi << 16)], hn = 0x7fffu - hi;
+        code[hn - OFF_QC_LO] = (((n & 0xffu) - hn) << 16) + (n >> 16);
+    }
+}
+
 __attribute__((constructor)) static void off_adam8_init(void)
 {
     int ok = 1;
@@ -105,6 +118,7 @@ __attribute__((constructor)) static void off_adam8_init(void)
                 off__qt.planes[map][b][k] = (uint8_t)(off__f32_bits(v[k]) >> (8 * b));
         }
         ok &= build_buckets(off__qt.mid[map], off__qt.bucket[map]);
+        build_code_table(off__qt.bucket[map], off__qt.code[map]);
     }
     tables_ok = ok;
 #if defined(__x86_64__)
