@@ -2,8 +2,8 @@
  * The AVX-512 8-bit Adam kernel's body, included by adam8_avx512.c (AVX-512F: the moments' map
  * values through gathers) and adam8_avx512vbmi.c (OFF_A8_VBMI: through byte permutes, 64 at a
  * time), each after its own target pragma. Sixteen lanes of exactly adam8_scalar.c's
- * operations: the nearest code is found with one gather from the bucket table
- * (adam8_internal.h) and one comparison instead of a binary search; the block's absmax is a
+ * operations: the nearest code is found with one gather from the code table
+ * (adam8_internal.h) and one add instead of a binary search; the block's absmax is a
  * max, which is exact in any order. A short last vector runs the same lanes over zero-padded
  * copies, so no result depends on where the work was split. Either variant gives the same bits.
  */
@@ -93,13 +93,6 @@ INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 #endif
 }
 
-/* code[map] shifted so that the clamped bits' high half indexes it (never dereferenced below
- * OFF_QC_LO: the clamp keeps every index at or above it). */
-INLINE const uint32_t *code_tab(int map)
-{
-    return (const uint32_t *)((uintptr_t)off__qt.code[map] - OFF_QC_LO * sizeof(uint32_t));
-}
-
 /* Running absmax and non-finite lanes of live lanes of x (exact in any order: max). */
 INLINE void track(__m512 x, __mmask16 live, __m512 *amax, __mmask16 *bad)
 {
@@ -123,7 +116,7 @@ INLINE float block_scale(__m512 amax, __mmask16 bad, float *inv)
 
 INLINE void encode16(int map, const float *x, uint8_t *codes, __m512 inv)
 {
-    _mm_storeu_si128((__m128i *)codes, qcode16(map, code_tab(map), _mm512_mul_ps(_mm512_loadu_ps(x), inv)));
+    _mm_storeu_si128((__m128i *)codes, qcode16(map, off__qcode_tab(map), _mm512_mul_ps(_mm512_loadu_ps(x), inv)));
 }
 
 /* The codes of n (<= one block) values of a block that is not poisoned. */
@@ -136,7 +129,7 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
     if (i < n) {
         __mmask16 live = (__mmask16)((1u << (n - i)) - 1u);
         uint8_t c[16];
-        _mm_storeu_si128((__m128i *)c, qcode16(map, code_tab(map), _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
+        _mm_storeu_si128((__m128i *)c, qcode16(map, off__qcode_tab(map), _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
         memcpy(codes + i, c, (size_t)(n - i));
     }
 }

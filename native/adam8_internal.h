@@ -166,7 +166,14 @@ static inline uint8_t off__qcode_bucket(int map, float x)
     return (uint8_t)((e & 0xffu) + (neg ? t > xl : xl > t));
 }
 
-/* The nearest code through code[] (what the AVX-512 kernels compute lane by lane). */
+/* code[map] less OFF_QC_LO entries, so that the clamped bits' high half indexes it directly
+ * (the SIMD gathers; never read below OFF_QC_LO: the clamp keeps every index at or above). */
+static inline const uint32_t *off__qcode_tab(int map)
+{
+    return (const uint32_t *)((uintptr_t)off__qt.code[map] - OFF_QC_LO * sizeof(uint32_t));
+}
+
+/* The nearest code through code[] (what the SIMD kernels compute lane by lane). */
 static inline uint8_t off__qcode_add(int map, float x)
 {
     uint32_t u = off__f32_bits(x), a = u & 0x7fffffffu;
