@@ -23,8 +23,8 @@
  *                     (exponent and top 7 mantissa bits); each bucket holds at most one
  *                     midpoint, so count = entry's base + one comparison of the low 16 bits.
  *                     Entry: base (bits 0-7) | that midpoint's low 16 bits (16-31). The second
- *                     half serves negative x, where the comparison is reversed; the unsigned
- *                     map's SIMD search clamps x at +0 instead (its midpoints are all > 0).
+ *                     half serves negative x, where the comparison is reversed. The SIMD
+ *                     kernels read code[] below, built from these buckets.
  */
 #define OFF_QB_E0 104                   /* buckets start at 2^(104-127) = 2^-23 */
 #define OFF_QB_BINADES 23               /* 2^-23 .. 1; one more bucket for >= 1, one for < 2^-23 */
@@ -153,17 +153,6 @@ static inline uint16_t off__f32_to_bf16_sr(float f, uint32_t r)
 static inline float off__inv_scale(float absmax)
 {
     return absmax >= 0x1p-126f ? 1.0f / absmax : 0.0f;
-}
-
-/* The nearest code through the buckets (what the SIMD kernels compute lane by lane). */
-static inline uint8_t off__qcode_bucket(int map, float x)
-{
-    uint32_t u = off__f32_bits(x);
-    uint32_t a = u & 0x7fffffffu;
-    uint32_t neg = u >> 31;
-    uint32_t e = off__qt.bucket[map][off__qbucket(a) + neg * OFF_QB_N];
-    uint32_t t = e >> 16, xl = a & 0xffffu;
-    return (uint8_t)((e & 0xffu) + (neg ? t > xl : xl > t));
 }
 
 /* code[map] less OFF_QC_LO entries, so that the clamped bits' high half indexes it directly
