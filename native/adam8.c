@@ -16,7 +16,8 @@
 #include "adam8_internal.h"
 
 off__qtables off__qt;
-static int tables_ok; /* every bucket holds at most one midpoint (the SIMD search's premise) */
+static int tables_ok; /* every bucket holds at most one midpoint (the SIMD search's premise),
+                       * and code[] agrees with the search around every midpoint */
 static int vbmi_ok;   /* the CPU runs adam8_avx512vbmi.c */
 static _Atomic int vbmi_on;
 
@@ -90,6 +91,38 @@ static int build_buckets(const float *mid, uint32_t *tab)
     return 1;
 }
 
+/* code[] of one map from its bucket table (see adam8_internal.h); unused entries stay 0. */
+static void build_code_table(const uint32_t *bucket, uint32_t *code)
+{
+    for (uint32_t hi = OFF_QC_LO; hi <= 0x3f80u; hi++) { /* x > 0: bucket of hi */
+        uint32_t e = bucket[off__qbucket(hi << 16)];
+        code[hi - OFF_QC_LO] = (((e & 0xffu) - hi) << 16) + (0xffffu - (e >> 16));
+        /* x < 0 with |x|'s high half hi: u' = ~bits, whose high half is 0x7fff - hi; the
+         * code is base + (t > low half of |x|) = base + carry(t + (0xffff - low half)) */
+        uint32_t n = bucket[OFF_QB_N + off__qbucket(hi << 16)], hn = 0x7fffu - hi;
+        code[hn - OFF_QC_LO] = (((n & 0xffu) - hn) << 16) + (n >> 16);
+    }
+}
+
+/* Whether code[] gives count_below's code at, and one float either side of, every midpoint
+ * and both clamps (the tests check whole float ranges; this keeps a table that a change of
+ * the maps broke from ever giving a wrong code: check_level8 then refuses the SIMD levels). */
+static int code_table_ok(int map)
+{
+    const float *mid = off__qt.mid[map];
+    for (int k = -2; k < 255; k++) {
+        float m = k == -2 ? 0x1p-23f : k == -1 ? 1.0f : mid[k];
+        for (int d = -1; d <= 1; d++) {
+            float x = off__bits_f32(off__f32_bits(m) + (uint32_t)d);
+            for (int s = 0; s < 2; s++, x = -x)
+                if (off__qcode_add(map, x) != (map == OFF_QMAP_UNSIGNED && x <= 0.0f
+                                                   ? count_below(mid, 0.0f) : count_below(mid, x)))
+                    return 0;
+        }
+    }
+    return 1;
+}
+
 __attribute__((constructor)) static void off_adam8_init(void)
 {
     int ok = 1;
@@ -105,6 +138,8 @@ __attribute__((constructor)) static void off_adam8_init(void)
                 off__qt.planes[map][b][k] = (uint8_t)(off__f32_bits(v[k]) >> (8 * b));
         }
         ok &= build_buckets(off__qt.mid[map], off__qt.bucket[map]);
+        build_code_table(off__qt.bucket[map], off__qt.code[map]);
+        ok &= code_table_ok(map);
     }
     tables_ok = ok;
 #if defined(__x86_64__)

@@ -1,6 +1,6 @@
 /*
  * AVX2 + FMA + F16C 8-bit Adam: eight lanes of exactly adam8_scalar.c's operations, built
- * like adam8_avx512.c (gathers from the map and the bucket table; see there). A short last
+ * like adam8_avx512.c (gathers from the map and the code table; see there). A short last
  * vector runs the same lanes over zero-padded copies.
  */
 #if defined(__x86_64__)
@@ -25,34 +25,27 @@ INLINE __m256 dequant(const float *map, const uint8_t *codes, __m256 scale)
     return _mm256_mul_ps(_mm256_i32gather_ps(map, c, 4), scale);
 }
 
-/* The nearest codes of eight values (off__qcode_bucket lane by lane), as eight bytes. */
+/* The nearest codes of eight values (off__qcode_add lane by lane: one gather from code[] and
+ * one add, the code in byte 2 of each lane), as eight bytes. */
 INLINE long long qcode8(int map, const uint32_t *tab, __m256 x)
 {
-    if (map == OFF_QMAP_UNSIGNED) {
-        /* every unsigned midpoint is > 0: a negative x (or -0) has the code of +0 */
-        __m256i a = _mm256_castps_si256(_mm256_max_ps(x, _mm256_setzero_ps()));
-        __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(a, 16), _mm256_set1_epi32((OFF_QB_E0 << 7) - 1));
-        b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(OFF_QB_N - 1));
-        __m256i e = _mm256_i32gather_epi32((const int *)tab, b, 4);
-        __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(e, 16));
-        __m256i code = _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), up);
-        __m128i w = pack16(code);
-        return _mm_cvtsi128_si64(_mm_packus_epi16(w, w));
+    __m256i u = _mm256_castps_si256(x), a;
+    if (map == OFF_QMAP_UNSIGNED) { /* a negative x (its bits < 0 as an int) codes as +0 */
+        a = _mm256_max_epi32(u, _mm256_set1_epi32(0x34000000));
+        a = _mm256_min_epi32(a, _mm256_set1_epi32(0x3f800000));
+    } else {
+        a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+        a = _mm256_min_epu32(_mm256_max_epu32(a, _mm256_set1_epi32(0x34000000)),
+                             _mm256_set1_epi32(0x3f800000));
+        /* |x| clamped with x's sign, then complemented where negative */
+        a = _mm256_or_si256(a, _mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000u)));
+        a = _mm256_xor_si256(a, _mm256_srai_epi32(a, 31));
     }
-    __m256i u = _mm256_castps_si256(x);
-    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
-    __m256i neg = _mm256_srai_epi32(u, 31);
-    __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(a, 16), _mm256_set1_epi32((OFF_QB_E0 << 7) - 1));
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(OFF_QB_N - 1));
-    b = _mm256_add_epi32(b, _mm256_and_si256(neg, _mm256_set1_epi32(OFF_QB_N)));
-    __m256i e = _mm256_i32gather_epi32((const int *)tab, b, 4);
-    __m256i t = _mm256_srli_epi32(e, 16);
-    __m256i xl = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
-    __m256i up = _mm256_blendv_epi8(_mm256_cmpgt_epi32(xl, t), _mm256_cmpgt_epi32(t, xl), neg);
-    /* up is -1 where the value lies above the bucket's midpoint */
-    __m256i code = _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xff)), up);
-    __m128i w = pack16(code);
-    return _mm_cvtsi128_si64(_mm_packus_epi16(w, w));
+    __m256i r = _mm256_add_epi32(_mm256_i32gather_epi32((const int *)tab, _mm256_srli_epi32(a, 16), 4), a);
+    r = _mm256_shuffle_epi8(r, _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    __m128i w = _mm_unpacklo_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    return _mm_cvtsi128_si64(w);
 }
 
 INLINE __m256 masked_load(const float *x, long long k)
@@ -88,7 +81,7 @@ INLINE float block_scale(__m256 amax, __m256 bad, float *inv)
 
 INLINE void encode8(int map, const float *x, uint8_t *codes, __m256 inv)
 {
-    long long c = qcode8(map, off__qt.bucket[map], _mm256_mul_ps(_mm256_loadu_ps(x), inv));
+    long long c = qcode8(map, off__qcode_tab(map), _mm256_mul_ps(_mm256_loadu_ps(x), inv));
     memcpy(codes, &c, 8);
 }
 
@@ -100,7 +93,7 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
     for (; i + 8 <= n; i += 8)
         encode8(map, x + i, codes + i, inv);
     if (i < n) {
-        long long c = qcode8(map, off__qt.bucket[map], _mm256_mul_ps(masked_load(x + i, n - i), inv));
+        long long c = qcode8(map, off__qcode_tab(map), _mm256_mul_ps(masked_load(x + i, n - i), inv));
         memcpy(codes + i, &c, (size_t)(n - i));
     }
 }

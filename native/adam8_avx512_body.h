@@ -2,8 +2,8 @@
  * The AVX-512 8-bit Adam kernel's body, included by adam8_avx512.c (AVX-512F: the moments' map
  * values through gathers) and adam8_avx512vbmi.c (OFF_A8_VBMI: through byte permutes, 64 at a
  * time), each after its own target pragma. Sixteen lanes of exactly adam8_scalar.c's
- * operations: the nearest code is found with one gather from the bucket table
- * (adam8_internal.h) and one comparison instead of a binary search; the block's absmax is a
+ * operations: the nearest code is found with one gather from the code table
+ * (adam8_internal.h) and one add instead of a binary search; the block's absmax is a
  * max, which is exact in any order. A short last vector runs the same lanes over zero-padded
  * copies, so no result depends on where the work was split. Either variant gives the same bits.
  */
@@ -63,33 +63,34 @@ INLINE void lookup64(const uint8_t (*planes)[256], __m512i c, __m512 out[4])
 }
 #endif
 
-/* The nearest codes of sixteen values (off__qcode_bucket lane by lane). */
+/* The nearest codes of sixteen values: off__qcode_add lane by lane, one gather from code[]
+ * (adam8_internal.h) and one add; tab is the map's code[] less OFF_QC_LO entries, so the
+ * clamped bits' high half indexes it directly. */
 INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 {
-    if (map == OFF_QMAP_UNSIGNED) {
-        /* every unsigned midpoint is > 0: a negative x (or -0) has the code of +0 */
-        __m512i a = _mm512_castps_si512(_mm512_max_ps(x, _mm512_setzero_ps()));
-        __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(a, 16), _mm512_set1_epi32((OFF_QB_E0 << 7) - 1));
-        b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(OFF_QB_N - 1));
-        __m512i e = _mm512_i32gather_epi32(b, tab, 4);
-        __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_and_si512(a, _mm512_set1_epi32(0xffff)),
-                                               _mm512_srli_epi32(e, 16));
-        __m512i code = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
-        return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1)));
+    __m512i u = _mm512_castps_si512(x), a;
+    if (map == OFF_QMAP_UNSIGNED) { /* a negative x (its bits < 0 as an int) codes as +0 */
+        a = _mm512_max_epi32(u, _mm512_set1_epi32(0x34000000));
+        a = _mm512_min_epi32(a, _mm512_set1_epi32(0x3f800000));
+    } else {
+        a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        a = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32(0x34000000)),
+                             _mm512_set1_epi32(0x3f800000));
+        /* |x| clamped with x's sign, then complemented where negative */
+        a = _mm512_ternarylogic_epi32(a, u, _mm512_set1_epi32((int)0x80000000u), 0xf8);
+        a = _mm512_xor_si512(a, _mm512_srai_epi32(a, 31));
     }
-    __m512i u = _mm512_castps_si512(x);
-    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-    __mmask16 neg = _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512());
-    __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(a, 16), _mm512_set1_epi32((OFF_QB_E0 << 7) - 1));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(OFF_QB_N - 1));
-    b = _mm512_mask_add_epi32(b, neg, b, _mm512_set1_epi32(OFF_QB_N));
-    __m512i e = _mm512_i32gather_epi32(b, tab, 4);
-    __m512i t = _mm512_srli_epi32(e, 16);
-    __m512i xl = _mm512_and_si512(a, _mm512_set1_epi32(0xffff));
-    __mmask16 up = (_mm512_cmpgt_epi32_mask(xl, t) & (__mmask16)~neg) | (_mm512_cmpgt_epi32_mask(t, xl) & neg);
-    __m512i code = _mm512_and_si512(e, _mm512_set1_epi32(0xff));
-    code = _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi8(code);
+    __m512i r = _mm512_add_epi32(_mm512_i32gather_epi32(_mm512_srli_epi32(a, 16), tab, 4), a);
+#if OFF_A8_VBMI
+    const __m512i byte2 = _mm512_set_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        62, 58, 54, 50, 46, 42, 38, 34, 30, 26, 22, 18, 14, 10, 6, 2);
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi8(byte2, r));
+#else
+    return _mm512_cvtepi32_epi8(_mm512_srli_epi32(r, 16));
+#endif
 }
 
 /* Running absmax and non-finite lanes of live lanes of x (exact in any order: max). */
@@ -115,7 +116,7 @@ INLINE float block_scale(__m512 amax, __mmask16 bad, float *inv)
 
 INLINE void encode16(int map, const float *x, uint8_t *codes, __m512 inv)
 {
-    _mm_storeu_si128((__m128i *)codes, qcode16(map, off__qt.bucket[map], _mm512_mul_ps(_mm512_loadu_ps(x), inv)));
+    _mm_storeu_si128((__m128i *)codes, qcode16(map, off__qcode_tab(map), _mm512_mul_ps(_mm512_loadu_ps(x), inv)));
 }
 
 /* The codes of n (<= one block) values of a block that is not poisoned. */
@@ -128,7 +129,7 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
     if (i < n) {
         __mmask16 live = (__mmask16)((1u << (n - i)) - 1u);
         uint8_t c[16];
-        _mm_storeu_si128((__m128i *)c, qcode16(map, off__qt.bucket[map], _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
+        _mm_storeu_si128((__m128i *)c, qcode16(map, off__qcode_tab(map), _mm512_mul_ps(_mm512_maskz_loadu_ps(live, x + i), inv)));
         memcpy(codes + i, c, (size_t)(n - i));
     }
 }

@@ -23,17 +23,31 @@
  *                     (exponent and top 7 mantissa bits); each bucket holds at most one
  *                     midpoint, so count = entry's base + one comparison of the low 16 bits.
  *                     Entry: base (bits 0-7) | that midpoint's low 16 bits (16-31). The second
- *                     half serves negative x, where the comparison is reversed; the unsigned
- *                     map's SIMD search clamps x at +0 instead (its midpoints are all > 0).
+ *                     half serves negative x, where the comparison is reversed. The SIMD
+ *                     kernels read code[] below, built from these buckets.
  */
 #define OFF_QB_E0 104                   /* buckets start at 2^(104-127) = 2^-23 */
 #define OFF_QB_BINADES 23               /* 2^-23 .. 1; one more bucket for >= 1, one for < 2^-23 */
 #define OFF_QB_N (OFF_QB_BINADES * 128 + 2)
 
+/*
+ * code[map][OFF_QC_N]: the same buckets arranged so that the code costs one add after the
+ * lookup (adam8_avx512_body.h). |x| is clamped to [2^-23, 1] keeping its sign (no midpoint
+ * lies outside), and a negative x's bits are complemented: u' = x's bits, or ~bits when x < 0.
+ * Entry u'>>16 - OFF_QC_LO holds ((code base - (u'>>16)) << 16) + (0xffff - t) for a positive
+ * x (t: the bucket's midpoint's low 16 bits, 0xffff when none) and the complemented form for
+ * a negative one, so the code is byte 2 of entry + u': the carry out of the low half is the
+ * comparison with the midpoint, and the high half of u' cancels the subtracted index.
+ */
+#define OFF_QC_LO 0x3400u               /* 2^-23's high half (OFF_QB_E0 << 7) */
+#define OFF_QC_HI 0x4c00u               /* past ~(-2^-23)'s high half, 0x4bff */
+#define OFF_QC_N (OFF_QC_HI - OFF_QC_LO)
+
 typedef struct off__qtables {
     float values[2][256];
     float mid[2][255];
     uint32_t bucket[2][2 * OFF_QB_N];
+    uint32_t code[2][OFF_QC_N];
     uint8_t zero_code[2];               /* the code of 0.0 */
     /* planes[map][b][code]: byte b of values[map][code] (the VBMI kernel's byte permutes) */
     uint8_t planes[2][4][256] __attribute__((aligned(64)));
@@ -141,15 +155,23 @@ static inline float off__inv_scale(float absmax)
     return absmax >= 0x1p-126f ? 1.0f / absmax : 0.0f;
 }
 
-/* The nearest code through the buckets (what the SIMD kernels compute lane by lane). */
-static inline uint8_t off__qcode_bucket(int map, float x)
+/* code[map] less OFF_QC_LO entries, so that the clamped bits' high half indexes it directly
+ * (the SIMD gathers; never read below OFF_QC_LO: the clamp keeps every index at or above). */
+static inline const uint32_t *off__qcode_tab(int map)
 {
-    uint32_t u = off__f32_bits(x);
-    uint32_t a = u & 0x7fffffffu;
-    uint32_t neg = u >> 31;
-    uint32_t e = off__qt.bucket[map][off__qbucket(a) + neg * OFF_QB_N];
-    uint32_t t = e >> 16, xl = a & 0xffffu;
-    return (uint8_t)((e & 0xffu) + (neg ? t > xl : xl > t));
+    return (const uint32_t *)((uintptr_t)off__qt.code[map] - OFF_QC_LO * sizeof(uint32_t));
+}
+
+/* The nearest code through code[] (what the SIMD kernels compute lane by lane). */
+static inline uint8_t off__qcode_add(int map, float x)
+{
+    uint32_t u = off__f32_bits(x), a = u & 0x7fffffffu;
+    a = a < 0x34000000u ? 0x34000000u : a > 0x3f800000u ? 0x3f800000u : a;
+    if (map == OFF_QMAP_UNSIGNED && (u >> 31))
+        a = 0x34000000u;                /* unsigned: every midpoint is > 0, x < 0 codes as +0 */
+    else if (u >> 31)
+        a = ~(a | 0x80000000u);
+    return (uint8_t)((off__qt.code[map][(a >> 16) - OFF_QC_LO] + a) >> 16);
 }
 
 #endif
