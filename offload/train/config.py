@@ -147,7 +147,7 @@ class ParallelConfig:
                                        check=positive_int)
     pp: int = option(1, "pipeline stages over the ranks under torchrun: the model is cut by layer into stages, "
                         "world = pp x dp (1: no pipeline)", check=positive_int, metavar="P")
-    schedule: str = option("1f1b", "the pipeline schedule under --pp: " + ", ".join(SCHEDULES),
+    schedule: str | None = option(None, "the pipeline schedule under --pp (default 1f1b): " + ", ".join(SCHEDULES),
                            check=choice(SCHEDULES), metavar="NAME")
 
 

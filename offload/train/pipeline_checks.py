@@ -25,11 +25,20 @@ def micro_batches(config: TrainConfig) -> int:
     return config.parallel.micro_batches or config.parallel.pp
 
 
+def schedule(config: TrainConfig) -> str:
+    """The pipeline's schedule: --schedule, else 1F1B."""
+    return config.parallel.schedule or "1f1b"
+
+
 def check_pipeline(config: TrainConfig, world: int) -> None:
-    """The --pp run's settings against each other and the world size (nothing under --pp 1)."""
+    """The --pp run's settings against each other and the world size (under --pp 1: only that no
+    --schedule was given, which would otherwise be ignored without a word)."""
     par, m = config.parallel, config.model
     pp = par.pp
     if pp == 1:
+        if par.schedule is not None:
+            raise ConfigError("--schedule", par.schedule, "schedules pipeline stages: give --pp 2 or more with it "
+                                                          "(under --pp 1 there is no pipeline to schedule)")
         return
     if world % pp:
         raise ConfigError("--pp", pp, f"must divide the {world} ranks torchrun started (world = pp x dp)")
@@ -43,21 +52,21 @@ def check_pipeline(config: TrainConfig, world: int) -> None:
         raise ConfigError("--output", config.output.output,
                           "is not written under --pp yet: save a checkpoint (--checkpoint-dir) and resume it "
                           "with --pp 1 and more --steps (it reshards by layer) to go on and write it there")
-    several = par.schedule in ("interleaved-1f1b", "looped-bfs", "zero-bubble")
+    several = schedule(config) in ("interleaved-1f1b", "looped-bfs", "zero-bubble")
     stages = 2 * pp if several else pp
     # Caught here, before every rank builds the preset, and said with the flag (the cut itself
     # would refuse it only after the build, naming its own argument): each stage needs a unit.
     units = get_preset(m.preset_name).num_layers + 2        # embedding, the layers, norm + LM head
     if stages > units:
         name = "llama-" + m.preset_name.lower().removeprefix("llama-")
-        raise ConfigError("--pp", pp, f"{stages} stages under --schedule {par.schedule} exceed {name}'s {units} "
+        raise ConfigError("--pp", pp, f"{stages} stages under --schedule {schedule(config)} exceed {name}'s {units} "
                                       f"units to cut (embedding, {units - 2} layers, norm + LM head: each stage "
                                       "needs one)")
     mb = micro_batches(config)
-    if par.schedule == "1f1b" and mb < stages:
+    if schedule(config) == "1f1b" and mb < stages:
         raise ConfigError("--micro-batches", mb, f"must be >= the {stages} stages under --schedule 1f1b")
-    if par.schedule in ("interleaved-1f1b", "zero-bubble"):
+    if schedule(config) in ("interleaved-1f1b", "zero-bubble"):
         rounds = max(1, mb // pp)
         if mb % rounds:
             raise ConfigError("--micro-batches", mb, f"must be a multiple of its {rounds} rounds of --pp {pp} "
-                                                     f"under --schedule {par.schedule} (e.g. {rounds * pp})")
+                                                     f"under --schedule {schedule(config)} (e.g. {rounds * pp})")

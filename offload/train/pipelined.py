@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from .pipeline_checks import data_world, micro_batches
+from .pipeline_checks import data_world, micro_batches, schedule
 from .trainer import Trainer
 
 
@@ -44,9 +44,12 @@ class PipelineTrainer(Trainer):
 
     def describe_run(self) -> None:
         super().describe_run()
-        p = self.config.parallel
-        self.say(f"finetune: {p.pp} pipeline stages x {self.data_world} data-parallel ranks, --schedule "
-                 f"{p.schedule}, {micro_batches(self.config)} micro-batches of "
+        from ..pipeline import stage_count
+
+        p, name = self.config.parallel, schedule(self.config)
+        stages = stage_count(name, p.pp)        # two per pipeline rank under the interleaved schedules
+        self.say(f"finetune: {p.pp} pipeline ranks ({stages} stages) x {self.data_world} data-parallel ranks, "
+                 f"--schedule {name}, {micro_batches(self.config)} micro-batches of "
                  f"{self.rows // self.data_world // micro_batches(self.config)} sequences per step; the preset is "
                  "built with an untied LM head (a tied one's gradients are not summed across stages yet)")
 
@@ -68,8 +71,8 @@ class PipelineTrainer(Trainer):
         model.gradient_checkpointing = not c.model.no_checkpointing
         mesh = pipeline_mesh(c.parallel.pp, self.data_world, device_type=self.device_type())
         m = micro_batches(c)
-        modules = split_llama(model, stage_count(c.parallel.schedule, c.parallel.pp))
-        return StagedModel(modules, schedule=c.parallel.schedule, micro_batches=m, config=self.engine_config,
+        modules = split_llama(model, stage_count(schedule(c), c.parallel.pp))
+        return StagedModel(modules, schedule=schedule(c), micro_batches=m, config=self.engine_config,
                            micro_batch=(self.rows // self.data_world // m, self.seq), mesh=mesh)
 
     @staticmethod

@@ -46,7 +46,7 @@ def test_two_stages_train_and_their_checkpoint_resumes_in_one_process(disk_tmp):
     done = finetune(run_args(disk_tmp, "pp2", STEPS, "--pp", "2", "--schedule", "1f1b", "--checkpoint-dir", str(ckpt),
                              "--checkpoint-every", str(SAVE_AT), "--keep-checkpoints", "3"), nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 pipeline stages x 1 data-parallel ranks, --schedule 1f1b" in done.stderr
+    assert "2 pipeline ranks (2 stages) x 1 data-parallel ranks, --schedule 1f1b" in done.stderr
     assert sum(f"step {STEPS}/{STEPS}" in line for line in done.stderr.splitlines()) == 1   # rank 0 alone
     assert "Traceback" not in done.stderr
     two = losses(disk_tmp / "pp2.jsonl")

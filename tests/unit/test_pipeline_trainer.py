@@ -33,6 +33,9 @@ def test_the_flag_offers_the_librarys_schedules():
     (["--pp", "4", "--schedule", "interleaved-1f1b", "--micro-batches", "4"], 4,
      "--pp=4: 8 stages under --schedule interleaved-1f1b exceed llama-tiny's 6 units to cut"),
     (["--pp", "8"], 8, "--pp=8: 8 stages under --schedule 1f1b exceed llama-tiny's 6 units to cut"),
+    # a schedule without stages would be ignored without a word
+    (["--schedule", "gpipe"], 1, "--schedule='gpipe': schedules pipeline stages: give --pp 2 or more"),
+    (["--schedule", "1f1b"], 2, "--schedule='1f1b': schedules pipeline stages"),
 ])
 def test_a_bad_pipeline_combination_names_its_flag(flags, world, message):
     with pytest.raises(ConfigError) as err:
