@@ -114,6 +114,29 @@ class CheckpointManager:
 
         return saved_chunk_size(self.directory)
 
+    def check_precision(self, state: str, master: str) -> None:
+        """A resume must train with the optimizer-state precision its checkpoint holds (the chunks
+        are laid out for it): a different --optimizer-state / --master is refused naming the flags
+        to give (a pipeline checkpoint's stages are checked as they load)."""
+        if not self.resuming() or self.resumes_pipeline():
+            return
+        from ..checkpoint import resumable
+        from ..checkpoint.format import saved_precision
+        from ..errors import ConfigError, OffloadError
+
+        try:
+            chosen = resumable(self.directory)      # the one resume() starts with
+        except OffloadError:
+            return                                  # none verifies: resume() says so
+        if chosen is None:
+            return
+        saved = saved_precision(chosen[1])
+        if (saved["optimizer_state"], saved["master"]) != (state, master):
+            flag, given = ("--optimizer-state", state) if saved["optimizer_state"] != state else ("--master", master)
+            raise ConfigError(flag, given, f"the checkpoint {chosen[0]} holds {saved['optimizer_state']} optimizer "
+                                           f"state with a {saved['master']} master: resume it with "
+                                           f"--optimizer-state {saved['optimizer_state']} --master {saved['master']}")
+
     def restore(self, model, optimizer, scheduler, batches, aliases: dict | None = None) -> int:
         """Load the latest checkpoint that verifies into the run (--resume); returns the step to
         go on from (0: fresh, said so when --resume found nothing). A pipeline run's checkpoint,

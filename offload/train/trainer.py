@@ -81,6 +81,7 @@ class Trainer:
                                   f"over {self.data_world} ranks")
             inputs.check_paths(c, ranks)
             self.tokenizer, self.data = self.build_data()
+            self.checkpoints.check_precision(c.optimizer.state, c.optimizer.master)
             self.engine_config = offload.OffloadConfig(
                 dtype=c.model.dtype, device_budget=c.budgets.device_budget, cpu_budget=c.budgets.cpu_budget,
                 nvme_paths=c.budgets.nvme_path or None, chunk_size=self.chunk_size() or "auto",

@@ -74,3 +74,22 @@ def test_the_run_plans_with_the_chosen_precision():
         per_param[state] = plan.breakdown["state_bytes_per_param"]
     # fp32 master + moments (12 B) against 8-bit moments with their scales (2 x (1 + 4/256) B)
     assert per_param["fp32"] - per_param["8bit"] == pytest.approx(12 - 2 * (1 + 4 / 256))
+
+
+def test_a_resume_under_another_precision_names_the_flags_to_give(tmp_path, monkeypatch):
+    """The checkpoint's chunks hold 8-bit moments and no master: resuming it with the default fp32
+    state is refused before anything is built, with the flags that resume it."""
+    from offload.train.trainer import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    saving = QUICK + ["--checkpoint-dir", "ck", "--optimizer-state", "8bit", "--master", "bf16"]
+    assert Trainer(parse(saving)).train() == 0
+    with pytest.raises(ConfigError, match=r"--optimizer-state='fp32': the checkpoint .*step-00000002 holds 8bit "
+                                          r"optimizer state with a bf16 master: resume it with "
+                                          r"--optimizer-state 8bit --master bf16"):
+        Trainer(parse(QUICK + ["--checkpoint-dir", "ck", "--resume"])).prepare()
+    with pytest.raises(ConfigError, match=r"--master='fp32'"):
+        Trainer(parse(QUICK + ["--checkpoint-dir", "ck", "--resume", "--optimizer-state", "8bit"])).prepare()
+    resumed = Trainer(parse(QUICK + ["--checkpoint-dir", "ck", "--resume", "--steps", "3", "--optimizer-state", "8bit",
+                                     "--master", "bf16"]))
+    assert resumed.train() == 0 and len(resumed.losses) == 1
