@@ -39,10 +39,8 @@ is ``offload.bench.distributed_rank``'s, the figures summed over ranks, compared
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 
@@ -51,17 +49,12 @@ from ..errors import ConfigError
 from .collectives import zero3_bytes
 from .distributed_rank import run_rank
 from .distributed_report import compare, engine_agrees, print_report, summarize
-from .workload import BYTES_PER_PARAM, STEPS_PER_SAMPLE, BenchStepError, build_model
+from .spawn import spawn_ranks
+from .workload import BYTES_PER_PARAM, STEPS_PER_SAMPLE, build_model
 
 CHUNKS_FOR_OVERLAP = 8        # the bench's chunk size cuts the model into at least this many chunks
 COMPUTE_ITEMSIZE = 2          # bf16
 __all__ = ["measure", "print_report", "summarize", "engine_agrees", "dp_chunk_size"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dp_chunk_size(numels: list[int]) -> int:
@@ -119,25 +112,7 @@ def check_args(nproc, batch_tokens: int, max_seq_len: int, device: str) -> tuple
 
 def _spawn(world: int, spec: dict) -> list[dict]:
     """Run ``world`` ranks to completion; their results, by rank. A rank's failure is a BenchStepError."""
-    import torch.multiprocessing as mp
-
-    outdir = tempfile.mkdtemp(prefix=".offload-bench-dp-")
-    try:
-        try:
-            mp.start_processes(run_rank, args=(world, _free_port(), spec, outdir), nprocs=world,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise BenchStepError(f"rank {exc.error_index} of {world} failed: {last}") from None
-        except mp.ProcessExitedException as exc:
-            raise BenchStepError(f"rank {exc.error_index} of {world} exited with code {exc.exit_code}") from None
-        results = []
-        for r in range(world):
-            with open(os.path.join(outdir, f"rank{r}.json")) as fh:
-                results.append(json.load(fh))
-        return results
-    finally:
-        shutil.rmtree(outdir, ignore_errors=True)
+    return spawn_ranks(run_rank, world, spec, prefix=".offload-bench-dp-")
 
 
 def measure(path: str | os.PathLike = "./offload-nvme", nproc: int = 2, preset="tiny", steps: int = 10,

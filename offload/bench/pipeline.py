@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 
@@ -40,7 +39,8 @@ from ..errors import ConfigError
 from ..pipeline.schedules import SCHEDULES, check_name
 from .pipeline_report import print_report, summarize_memory, summarize_schedule
 from .pipeline_rank import run_rank
-from .workload import BYTES_PER_PARAM, BenchStepError
+from .spawn import spawn_ranks
+from .workload import BYTES_PER_PARAM
 
 MEMORY_SCHEDULES = ("gpipe", "1f1b")
 
@@ -80,33 +80,9 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, spec: dict) -> list[dict]:
     """Run ``world`` ranks to completion; their results, by rank. A rank's failure is a BenchStepError."""
-    import torch.multiprocessing as mp
-
-    outdir = tempfile.mkdtemp(prefix=".offload-bench-pp-")
-    try:
-        try:
-            mp.start_processes(run_rank, args=(world, _free_port(), spec, outdir), nprocs=world,
-                               join=True, start_method="spawn")
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise BenchStepError(f"rank {exc.error_index} of {world} failed: {last}") from None
-        except mp.ProcessExitedException as exc:
-            raise BenchStepError(f"rank {exc.error_index} of {world} exited with code {exc.exit_code}") from None
-        results = []
-        for r in range(world):
-            with open(os.path.join(outdir, f"rank{r}.json")) as fh:
-                results.append(json.load(fh))
-        return results
-    finally:
-        shutil.rmtree(outdir, ignore_errors=True)
+    return spawn_ranks(run_rank, world, spec, prefix=".offload-bench-pp-")
 
 
 def measure(*, preset="tiny", pp: int = 2, dp: int = 1, micro_batches: int = 4, batch: int = 8, seq: int = 64,
