@@ -11,26 +11,12 @@ import torch
 from offload.errors import ConfigError
 from offload.optim import quantized as q
 
+from tests.helpers.small_regression import loss as _loss, problem as _problem
+
 MASTERS = [torch.float32, torch.bfloat16]
 
 
 # ---- quality: 200 steps of training against torch.optim.AdamW ---------------------------
-
-def _problem():
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(1024, 32, generator=g)
-    w1, w2 = torch.randn(32, 64, generator=g) / 32**0.5, torch.randn(64, 1, generator=g) / 8
-    y = torch.tanh(X @ w1) @ w2 + 0.3 * torch.randn(1024, 1, generator=g)
-    init = torch.cat([torch.randn(32 * 64, generator=g) / 32**0.5, torch.zeros(64),
-                      torch.randn(64, generator=g) / 8, torch.zeros(1)])
-    return X, y, init
-
-
-def _loss(w, X, y):
-    a, b = w[:2048].view(32, 64), w[2048:2112]
-    c, d = w[2112:2176].view(64, 1), w[2176:]
-    return ((torch.tanh(X @ a + b) @ c + d - y) ** 2).mean()
-
 
 @functools.lru_cache(maxsize=None)
 def _torch_losses(lr, steps=200):

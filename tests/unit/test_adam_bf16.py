@@ -18,6 +18,8 @@ from offload.errors import ConfigError, NativeError
 from offload.optim import adam_step
 from offload.optim import quantized as q
 
+from tests.helpers.small_regression import loss as _loss, problem as _problem
+
 LEVELS = [pytest.param(level, marks=pytest.mark.skipif(
     level not in native.simd_available(), reason=f"this CPU lacks {level}"))
     for level in native.SIMD_LEVELS]
@@ -215,22 +217,6 @@ def test_one_step_matches_torch_adamw_within_the_roundings(level):
     assert bool(((p - w.detach()).abs() <= (update * 8 + p0.abs() * 6) * 2.0**-24).all())
     assert bool(((m.float() - want_m).abs() < want_m.abs() * 2.0**-7 * (1 + 1e-6)).all())
     assert bool(((v.float() - want_v).abs() < want_v.abs() * 2.0**-7 * (1 + 1e-6)).all())
-
-
-def _problem():
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(1024, 32, generator=g)
-    w1, w2 = torch.randn(32, 64, generator=g) / 32**0.5, torch.randn(64, 1, generator=g) / 8
-    y = torch.tanh(X @ w1) @ w2 + 0.3 * torch.randn(1024, 1, generator=g)
-    init = torch.cat([torch.randn(32 * 64, generator=g) / 32**0.5, torch.zeros(64),
-                      torch.randn(64, generator=g) / 8, torch.zeros(1)])
-    return X, y, init
-
-
-def _loss(w, X, y):
-    a, b = w[:2048].view(32, 64), w[2048:2112]
-    c, d = w[2112:2176].view(64, 1), w[2176:]
-    return ((torch.tanh(X @ a + b) @ c + d - y) ** 2).mean()
 
 
 @functools.lru_cache(maxsize=None)
