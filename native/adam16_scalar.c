@@ -64,22 +64,6 @@ void off__adam16_scalar(const off__adam16_consts *c, const off__adam16_io *io, l
             store_moment(io->v, io->moment_dtype, i, v, off__sr_bits(c->key_v, index));
         else
             store_moment(io->v, io->moment_dtype, i, v, 0);
-        float q = p;
-        uint16_t h = 0;
-        if (io->master_dtype == OFF_DTYPE_BF16) {
-            h = off__f32_to_bf16_sr(p, r);
-            ((uint16_t *)io->master)[i] = h;
-            q = off__bf16_to_f32(h);
-        } else {
-            ((float *)io->master)[i] = p;
-        }
-        switch (io->out_dtype) {
-        case OFF_DTYPE_FP32: ((float *)io->out)[i] = q; break;
-        case OFF_DTYPE_BF16:
-            ((uint16_t *)io->out)[i] = io->master_dtype == OFF_DTYPE_BF16 ? h : off__f32_to_bf16(q);
-            break;
-        case OFF_DTYPE_FP16: ((uint16_t *)io->out)[i] = off__f32_to_f16(q); break;
-        default: break;
-        }
+        off__store_param_scalar(io->master, io->master_dtype, io->out, io->out_dtype, i, p, r);
     }
 }

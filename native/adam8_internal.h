@@ -148,6 +148,30 @@ static inline uint16_t off__f32_to_bf16_sr(float f, uint32_t r)
     return (uint16_t)((u + (r & 0xffffu)) >> 16);
 }
 
+/* Store an updated parameter in the scalar kernels: the master (fp32 as is, bf16 rounded up with
+ * the random bits r, see off__f32_to_bf16_sr) and the out copy of the value the master now holds. */
+static inline void off__store_param_scalar(void *master, int master_dtype, void *out, int out_dtype,
+                                           long long i, float p, uint32_t r)
+{
+    float q = p;
+    uint16_t h = 0;
+    if (master_dtype == OFF_DTYPE_BF16) {
+        h = off__f32_to_bf16_sr(p, r);
+        ((uint16_t *)master)[i] = h;
+        q = off__bf16_to_f32(h);
+    } else {
+        ((float *)master)[i] = p;
+    }
+    switch (out_dtype) {
+    case OFF_DTYPE_FP32: ((float *)out)[i] = q; break;
+    case OFF_DTYPE_BF16:
+        ((uint16_t *)out)[i] = master_dtype == OFF_DTYPE_BF16 ? h : off__f32_to_bf16(q);
+        break;
+    case OFF_DTYPE_FP16: ((uint16_t *)out)[i] = off__f32_to_f16(q); break;
+    default: break;
+    }
+}
+
 /* The scale to divide a block by: 1/absmax, or 0 for a block that is all zeros or whose
  * absmax is below FLT_MIN (1/absmax would overflow): that block is stored as zeros. */
 static inline float off__inv_scale(float absmax)

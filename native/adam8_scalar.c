@@ -71,23 +71,9 @@ static float load_grad(const void *grad, int dtype, long long i)
  * out copy of the value the master now holds. */
 static void store_param(const off__adam8_consts *c, const off__adam8_io *io, long long i, float p)
 {
-    float q = p;
-    uint16_t h = 0;
-    if (io->master_dtype == OFF_DTYPE_BF16) {
-        h = off__f32_to_bf16_sr(p, off__sr_bits(c->key, (unsigned long long)(io->index_base + i)));
-        ((uint16_t *)io->master)[i] = h;
-        q = off__bf16_to_f32(h);
-    } else {
-        ((float *)io->master)[i] = p;
-    }
-    switch (io->out_dtype) {
-    case OFF_DTYPE_FP32: ((float *)io->out)[i] = q; break;
-    case OFF_DTYPE_BF16:
-        ((uint16_t *)io->out)[i] = io->master_dtype == OFF_DTYPE_BF16 ? h : off__f32_to_bf16(q);
-        break;
-    case OFF_DTYPE_FP16: ((uint16_t *)io->out)[i] = off__f32_to_f16(q); break;
-    default: break;
-    }
+    uint32_t r = io->master_dtype == OFF_DTYPE_BF16
+                     ? off__sr_bits(c->key, (unsigned long long)(io->index_base + i)) : 0;
+    off__store_param_scalar(io->master, io->master_dtype, io->out, io->out_dtype, i, p, r);
 }
 
 void off__adam8_scalar(const off__adam8_consts *c, const off__adam8_io *io, long long begin,
