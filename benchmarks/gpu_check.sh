@@ -98,7 +98,7 @@ case "$STAGE" in
 suite)
     # The sanitizer run is its own step (its own pytest), so a slow one cannot eat the suite's time.
     say "pytest -m gpu"
-    timeout "$(left 200)" $PY -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml "$WORK/suite.xml" \
+    timeout "$(left 120)" $PY -m pytest -q -m gpu -p no:cacheprovider -rs --tb=short --durations=15 --junitxml "$WORK/suite.xml" \
         --deselect tests/gpu/test_gpu_path.py::test_sanitizer_run tests >> "$LOG" 2>&1 || rc=1
     say "sanitizer run"
     OFFLOAD_SANITIZER_TIMEOUT_S=$(left 30) timeout "$(left 20)" $PY -m pytest -q -m gpu -p no:cacheprovider -rs \

@@ -30,7 +30,7 @@ class Entry:
     parked: bool = False
     host: torch.Tensor | None = None
     host_ready: object = None            # fence: the download into ``host`` has landed
-    source: torch.Tensor | None = None   # the device tensor, held until the download has read it
+    source: torch.Tensor | None = None   # held until the download has read it (a CUDA one: by the allocator)
     slot: SpillSlot | None = None
     write: object = None                 # AIO handle of the spill write in flight
     read: object = None                  # AIO handle of the read back in flight

@@ -12,7 +12,7 @@ that finds no room stays on the device (counted as ``kept``): the area never exc
 
 Copies are ordered the way the chunk store orders its own (``offload.tiers.streams``): a download
 starts on the device-to-host stream after a compute fence (the tensor's producer), the source is
-held until it has landed; an upload into a fresh device tensor starts on the host-to-device
+held until it has landed (a CUDA one by the caching allocator, not by us); an upload into a fresh device tensor starts on the host-to-device
 stream after a compute fence (the block's earlier users) and the download of its bytes, and
 compute waits for the upload's event before it reads the tensor. No host buffer is reused and no
 spill range rewritten before the copy or I/O reading it has finished. Without streams (the CPU is
@@ -73,7 +73,10 @@ class Parking:
         else:
             e.host_ready = streams.copy(dst, flat, [streams.compute_fence()], upload=False,
                                         name=f"act {e.seq} d2h")
-            e.source = t
+            # A CUDA source goes now: the allocator keeps its memory until the download has read
+            # it (DeviceStreams.copy). Holding it until a later reap saw the download land kept
+            # every parked input alive while the host ran ahead of the GPU (a whole forward).
+            e.source = None if t.is_cuda else t
         self._span(f"park {e.seq}", "device->cpu", started, e.nbytes)
         self.moved["device->cpu"] += e.nbytes
         self.entries[e.seq] = e

@@ -216,6 +216,17 @@ class MemoryTier:
         self._mapping = memoryview(mapping)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        buf = self._empty(nbytes)
+        if buf.is_cuda:
+            # The caching allocator hands out memory that is free in the order of the allocating
+            # (current) stream: kernels queued there before may still use it. The buffer's first
+            # writer is often a copy stream, so its first fence is this point of that stream.
+            fence = torch.cuda.Event()
+            fence.record(torch.cuda.current_stream(self.device))
+            self._fences[buf.data_ptr()] = [fence]
+        return buf
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError:

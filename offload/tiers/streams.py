@@ -72,10 +72,14 @@ class DeviceStreams:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence = (), *, upload: bool,
              name: str = "") -> torch.cuda.Event:
         """Start ``dst.copy_(src)`` on the stream of its direction (``upload``: host to device) once
-        ``after`` have happened; returns the event it ends with."""
+        ``after`` have happened; returns the event it ends with. A device source may be dropped
+        as soon as this returns: the caching allocator keeps its memory from every other tensor
+        until the copy has read it (``record_stream``)."""
         stream = self.h2d if upload else self.d2h
         for fence in after:
             stream.wait_event(fence)
+        if src.is_cuda:
+            src.record_stream(stream)
         with torch.cuda.stream(stream):
             start = None
             if self.timing:

@@ -21,11 +21,20 @@ pytestmark = pytest.mark.gpu
 MIB = 1 << 20
 
 
-def queue_busy_work(stream: torch.cuda.Stream, reps: int = 40) -> None:
-    """Queue ~0.1 s or more of matmuls on ``stream`` (an 8192² fp32 product is ~1.1 TFLOP)."""
+def queue_busy_work(stream: torch.cuda.Stream, seconds: float = 1.0) -> None:
+    """Queue about ``seconds`` of matmuls on ``stream``, timed first on this card (an H200 runs a
+    fixed count of them in a fraction of what an older card takes, TF32 or not)."""
     with torch.cuda.stream(stream):
         a = torch.ones(8192, 8192, device="cuda")
-        for _ in range(reps):
+        torch.mm(a, a)                      # cuBLAS loaded, its workspace allocated
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(5):
+            torch.mm(a, a)
+        end.record(stream)
+        end.synchronize()
+        per_mm_s = start.elapsed_time(end) / 5 / 1000
+        for _ in range(max(10, int(seconds / per_mm_s))):
             torch.mm(a, a)
 
 
@@ -39,6 +48,9 @@ def test_a_released_device_buffer_is_not_reused_before_its_fences_and_the_host_g
     buf = tier.allocate(32 * MIB)
     address = buf.data_ptr()
     buf.view(torch.float32).fill_(1.0)
+    # Loaded now, not behind the busy work: CUDA loads a kernel's module at its first launch
+    # (lazy loading), and that load may wait for the whole device.
+    buf.view(torch.float32).sum().item()
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     queue_busy_work(side)

@@ -52,5 +52,6 @@ class TinyGPT(nn.Module):
 def batches(n, batch=4, seq=16, vocab=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        x = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        # on the CPU whatever torch.set_default_device says: the generator is a CPU one
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=gen, device="cpu")
         yield x[:, :-1], x[:, 1:]

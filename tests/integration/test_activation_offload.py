@@ -209,8 +209,8 @@ def test_the_trace_shows_activation_copies(disk_tmp, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_peak_memory_and_step_time():
-    """On a GPU: the same batch with activations parked in pinned memory takes less device memory,
-    and at least 0.9x the speed of keeping them on the GPU."""
+    """On a GPU: the same batch with activations parked in pinned memory takes less device memory.
+    The step times are printed, not judged (speed lives in `offload bench step`)."""
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=8, num_heads=16,
                       num_kv_heads=4, max_seq_len=2048)
     ids = torch.randint(0, 32000, (4, 2048), device="cuda")
@@ -237,4 +237,3 @@ def test_gpu_peak_memory_and_step_time():
         torch.cuda.empty_cache()
     print("activation offload on GPU (peak bytes, median step s):", results)
     assert results["cpu"][0] < results["none"][0]
-    assert results["none"][1] / results["cpu"][1] >= 0.9
