@@ -9,7 +9,7 @@ CSAN) and always says "done": copies run at once, as on a GPU that keeps up, whi
 when code that skips a wait for a finished fence goes unordered.
 
 Compute's accesses are seen by ``watching()``, a dispatch mode like CSAN's on the thread that
-enters it: each op's tensor arguments in memory of the watched tier (``watch(tier)``: the
+enters it and on the engine's threads: each op's tensor arguments in memory of the watched tier (``watch(tier)``: the
 "device" tier of a CPU run with ``merge_host_tiers=False``) are reads, or writes where the op's
 schema says so. Accesses are keyed by storage (a view anywhere in a chunk buffer is the buffer:
 stricter than CSAN, which keys by the first byte). Memory the tier lets go is forgotten (CSAN
@@ -22,12 +22,14 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 STREAMS = ("compute", "h2d", "d2h")
+ENGINE_THREADS = "offload-"
 
 
 @dataclass
@@ -85,9 +87,21 @@ class CheckedStreams:
         with self._mutex:
             self._watched.pop(address, None)
 
+    @contextlib.contextmanager
     def watching(self):
-        """Check compute's accesses made on the calling thread while inside."""
-        return _ComputeAccesses(self)
+        """Check compute's accesses made on the calling thread while inside, and on every thread
+        the engine starts meanwhile (named ``offload-...``: the Adam worker, a checkpoint's
+        fetches) for as long as it runs, as ``tests/gpu/conftest.py`` makes CSAN do."""
+        original = threading.Thread.run
+
+        def run(thread):
+            if not thread.name.startswith(ENGINE_THREADS):
+                return original(thread)
+            with _ComputeAccesses(self):
+                return original(thread)
+
+        with mock.patch.object(threading.Thread, "run", run), _ComputeAccesses(self):
+            yield
 
     # ---- the clocks --------------------------------------------------------------------------
     def _stream(self) -> str:
