@@ -124,7 +124,7 @@ class ChunkStore:
                     else:
                         fill(view)
             except BaseException:
-                self.tiers[tier].free(buf)        # the chunk stays FREE, its budget unspent
+                self.traffic.free_buffer(tier, buf, ())    # stays FREE; after what fill queued
                 raise
             self.traffic.add_copy(rec, tier, buf, view)
             self.traffic.written(rec, tier)

@@ -155,3 +155,21 @@ def test_device_resident_round_trips_keep_every_device_access_ordered(dtype, ove
     finally:
         model.offload_engine.close()
         other.offload_engine.close()
+
+
+def test_a_buffer_whose_fill_failed_goes_back_after_what_the_fill_queued():
+    """``initialize`` gives the buffer back when ``fill`` raises; compute may have written part of
+    it already, so the upload that reuses it comes after that on the GPU."""
+    store, streams = checked_store(device_bytes=N * 4)
+
+    def fail(view):
+        view[:8].fill_(1.0)
+        raise ValueError("a loader found a bad tensor")
+
+    with streams.watching():
+        with pytest.raises(ValueError):
+            store.initialize(("grad", 0), "device", fail)
+        store.initialize(("grad", 1), "cpu", lambda v: v.fill_(2.0))
+        store.ensure(("grad", 1), "device")     # the same buffer, by an upload
+        assert torch.equal(store.read(("grad", 1)), torch.full((N,), 2.0))
+    assert not streams.races, streams.races
