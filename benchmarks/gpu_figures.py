@@ -1,6 +1,7 @@
 """The figures of one gpu_check.sh stage, as one JSON file (what comes back from the device machine).
 
-    gpu_figures.py suite OUT.json SUITE.xml SANITIZER.xml   test counts and failures (JUnit XML)
+    gpu_figures.py suite OUT.json SUITE.xml                test counts and failures (JUnit XML)
+    gpu_figures.py sanitizer OUT.json SANITIZER.xml LOG    the same under CSAN, and the races it reported
     gpu_figures.py bench OUT.json BENCH_STEP.json          step vs bound, in-memory curve vs PyTorch
     gpu_figures.py largest OUT.json WORKDIR PRESET         plans, steps, TFLOPS vs peak, vs predicted
     gpu_figures.py matmul-peak OUT.json                    measured bf16 matmul TFLOPS (8192^3)
@@ -12,6 +13,7 @@ never invented: the JSON says what ran.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import xml.etree.ElementTree as ET
@@ -51,9 +53,22 @@ def load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def suite(out: Path, tests: str, sanitizer: str) -> dict:
-    return {"stage": "suite", "machine": machine(), "gpu_tests": junit(Path(tests)),
-            "sanitizer": junit(Path(sanitizer))}
+def suite(out: Path, tests: str) -> dict:
+    return {"stage": "suite", "machine": machine(), "gpu_tests": junit(Path(tests))}
+
+
+# A CSAN report names the kernel of each access on the line after its stream's.
+RACE = re.compile(r"CSAN detected a possible data race.*?\nAccess by stream (\d+) during kernel:\n(.*?)\n"
+                  r".*?\nPrevious access by stream (\d+) during kernel:\n(.*?)\n", re.S)
+
+
+def sanitizer(out: Path, tests: str, log: str) -> dict:
+    """The sanitized tests' counts, and each distinct race CSAN reported in ``log`` (a report
+    appears there more than once: printed, then in the failure): the two kernels and streams."""
+    text = Path(log).read_text(errors="replace") if Path(log).is_file() else ""
+    races = sorted({f"{a.strip()} on stream {sa} after {b.strip()} on stream {sb}"
+                    for sa, a, sb, b in RACE.findall(text)})
+    return {"stage": "sanitizer", "machine": machine(), "sanitizer": junit(Path(tests)), "races": races}
 
 
 def bench(out: Path, step_json: str) -> dict:
@@ -120,7 +135,7 @@ def matmul_peak(out: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    stages = {"suite": suite, "bench": bench, "largest": largest, "matmul-peak": matmul_peak}
+    stages = {"suite": suite, "sanitizer": sanitizer, "bench": bench, "largest": largest, "matmul-peak": matmul_peak}
     if len(argv) < 2 or argv[0] not in stages:
         print(__doc__, file=sys.stderr)
         return 2

@@ -124,7 +124,7 @@ class ChunkStore:
                     else:
                         fill(view)
             except BaseException:
-                self.tiers[tier].free(buf)        # the chunk stays FREE, its budget unspent
+                self.traffic.free_buffer(tier, buf, ())    # stays FREE; after what fill queued
                 raise
             self.traffic.add_copy(rec, tier, buf, view)
             self.traffic.written(rec, tier)
@@ -172,7 +172,9 @@ class ChunkStore:
             if rec.has(tier):
                 return None
             under_way, src, dst = self.traffic.hop(rec, tier)
-            if under_way is not None:
+            if under_way is not None or (self.traffic.gpu_tier(src) and rec.pins[src]):
+                # Pinned on the GPU, compute may be writing it (a gradient chunk backward fills):
+                # a copy read now would race those writes, to be thrown away as stale once released.
                 return under_way
             if dst != "nvme" and not self.tiers[dst].can_allocate(rec.nbytes):
                 # A "soon" chunk (the optimizer's next) may only push out what the policy's
@@ -239,8 +241,8 @@ class ChunkStore:
                         self._modified(rec, tier)
                     if tier not in rec.buffers:
                         continue        # it left between the fetch and here: again
-                    if not self.traffic.gpu_tier(tier) and tier in rec.readers:
-                        self.traffic.quiesce(rec, tier)        # the caller may write it on the host
+                    if tier in rec.readers:
+                        self.traffic.quiesce(rec, tier)        # the caller may write it
                     rec.pins[tier] += 1
                     rec.pin_threads[threading.get_ident()] += 1
                     if rec.state is ChunkState.HOLD:
@@ -275,8 +277,7 @@ class ChunkStore:
             return self.traffic.start_writeback(self._rec(key))
 
     def wait_idle(self) -> None:
-        """Wait for every asynchronous move under way (write-backs started by the optimizer
-        included) and finish it, and for the copies still reading freed host buffers."""
+        """``ChunkTraffic.wait_idle``: every move under way, and copies reading freed host buffers."""
         with self.lock:
             self.traffic.wait_idle()
 

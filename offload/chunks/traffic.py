@@ -198,9 +198,13 @@ class ChunkTraffic:
         rec.readers[tier] = live
 
     def quiesce(self, rec: ChunkRecord, tier: str) -> None:
-        """Wait (on the host) until no copy in flight reads ``rec``'s host copy on ``tier``: before
-        the host writes it or hands its buffer to someone else. Rarely waits: uploads are issued
-        well ahead of the writes that follow them."""
+        """Order whoever may write ``rec``'s copy on ``tier`` next after the copies in flight reading
+        it: the host waits (rarely: uploads go well ahead of the writes after them); on a GPU tier
+        (a download started ahead), compute waits on the GPU and the readers stay (``free_buffer``)."""
+        if self.gpu_tier(tier):
+            for fence in rec.readers.get(tier, ()):
+                self.streams.compute_wait(fence)
+            return
         for fence in rec.readers.pop(tier, ()):
             fence.synchronize()
 
@@ -237,15 +241,13 @@ class ChunkTraffic:
         return freed
 
     def reap(self) -> None:
-        """Finish every move whose I/O is already done (their chunks become evictable), and give
-        back the host buffers no copy reads any more."""
+        """Finish the moves whose I/O is done (their chunks become evictable); retire host buffers."""
         for move in [m for m in self.in_flight if m.io_ready()]:
             move.finish()
         self._retire()
 
     def wait_idle(self) -> None:
-        """Wait for every asynchronous move under way (write-backs started by the optimizer
-        included) and finish it, and for the copies still reading freed host buffers."""
+        """Wait for and finish every move under way, and the copies still reading freed host buffers."""
         while self.in_flight:
             next(iter(self.in_flight)).wait()
         while self._retiring:
@@ -377,14 +379,12 @@ class ChunkTraffic:
         self.resident[tier].pop(rec.key, None)
 
     def written(self, rec: ChunkRecord, tier: str) -> None:
-        """The caller just wrote ``rec``'s copy on ``tier``: on a GPU, a copy out of it must wait
-        for the compute queued so far."""
+        """``rec``'s copy on ``tier`` was just written: on a GPU, copies out of it wait for compute."""
         if self.gpu_tier(tier):
             rec.ready[tier] = self.streams.compute_fence()
 
     def compute_adopts(self, tier: str, buf: torch.Tensor) -> None:
-        """A fresh buffer on a GPU tier is about to be written by compute: compute first waits for
-        its last users (the fences it was freed with)."""
+        """Compute, about to write a fresh GPU buffer, first waits for the fences it was freed with."""
         if self.gpu_tier(tier):
             for fence in self.tiers[tier].take_fences(buf):
                 self.streams.compute_wait(fence)

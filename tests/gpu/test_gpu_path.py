@@ -31,7 +31,15 @@ import offload
 from tests.helpers.tiny_gpt import TinyGPT, batches
 from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+# What runs under the sanitizer (node ids from the repository's root), the test that last failed
+# there first: device-resident round trips, the Adam worker's copies (overlapped updates),
+# accumulation's fp32 gradient chunks, a user stream, activation offload's parks and prefetches.
+SANITIZED = ("tests/gpu/test_gpu_path.py::test_round_trips_with_device_resident_chunks",
+             "tests/gpu/test_gpu_path.py::test_fp32_equals_torch",
+             "tests/gpu/test_gpu_path.py::test_accumulation_and_clipping",
+             "tests/gpu/test_gpu_path.py::test_user_stream",
+             "tests/gpu/test_gpu_activations.py")
 
 pytestmark = pytest.mark.gpu
 
@@ -426,19 +434,15 @@ def test_trace_has_a_gpu_timeline(disk_tmp, monkeypatch):
 
 
 def test_sanitizer_run(disk_tmp):
-    """The fp32 equivalence again under CUDA's stream sanitizer (CSAN): any unsynchronized access
-    between our copy streams and compute raises there."""
+    """The tests of ``SANITIZED`` again under CUDA's stream sanitizer (CSAN): any unsynchronized
+    access between our copy streams and compute raises there. ``benchmarks/gpu_check.sh
+    sanitizer`` runs the same tests as a stage of their own (under CSAN they take minutes)."""
     if os.environ.get("TORCH_CUDA_SANITIZER"):
         pytest.skip("already running under the sanitizer")
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    # The Adam worker's copies (overlapped updates), accumulation's fp32 gradient chunks, a user
-    # stream, device-resident round trips and activation offload's parks and prefetches.
-    tests = [f"{__file__}::test_fp32_equals_torch", f"{__file__}::test_accumulation_and_clipping",
-             f"{__file__}::test_user_stream", f"{__file__}::test_round_trips_with_device_resident_chunks",
-             str(HERE / "test_gpu_activations.py")]
     timeout = float(os.environ.get("OFFLOAD_SANITIZER_TIMEOUT_S", 900))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu", *tests],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
+                           *SANITIZED], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "CSAN" not in out and "data race" not in out.lower(), out[-4000:]

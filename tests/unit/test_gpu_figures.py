@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,37 @@ def figures(*args) -> dict:
 
 def test_suite_counts_failures_and_a_missing_step(tmp_path):
     (tmp_path / "suite.xml").write_text(JUNIT)
-    fig = figures("suite", tmp_path / "suite.json", tmp_path / "suite.xml", tmp_path / "never-ran.xml")
+    fig = figures("suite", tmp_path / "suite.json", tmp_path / "suite.xml")
     tests = fig["gpu_tests"]
     assert (tests["tests"], tests["passed"], tests["failures"], tests["skipped"]) == (3, 1, 1, 1)
     assert tests["failed"] == ["tests.gpu.test_gpu_path::test_b"]
     assert tests["skip_reasons"] == ["needs two GPUs"]
-    assert fig["sanitizer"] == {"ran": False}       # killed or skipped: said, not made up
+    assert figures("suite", tmp_path / "none.json", tmp_path / "never-ran.xml")["gpu_tests"] == {"ran": False}
+
+
+def csan_report(stream: int, op: str, previous_stream: int, previous_op: str) -> str:
+    """A race report as torch's sanitizer prints it."""
+    from torch.cuda._sanitizer import Access, AccessType, UnsynchronizedAccessError
+
+    stack = traceback.StackSummary.extract(traceback.walk_stack(None), limit=2)
+    now = Access(AccessType.WRITE, 9, stream, op, ["self"], True, stack)
+    before = Access(AccessType.READ, 4, previous_stream, previous_op, ["src"], False, stack)
+    return str(UnsynchronizedAccessError(1234, None, now, before))
+
+
+def test_sanitizer_lists_each_race_once_and_a_run_cut_short(tmp_path):
+    copy_op = "aten::copy_(Tensor(a!) self, Tensor src, bool non_blocking=False) -> Tensor(a!)"
+    report = csan_report(7, copy_op, 3, copy_op)
+    # The same race twice (printed, then in the failure), and another.
+    log = "\n".join(["setup", report, "E   " + report, csan_report(7, "aten::add_.Tensor(...)", 5, copy_op)])
+    (tmp_path / "sanitizer.log").write_text(log)
+    (tmp_path / "sanitizer.xml").write_text(JUNIT)
+    fig = figures("sanitizer", tmp_path / "sanitizer.json", tmp_path / "sanitizer.xml", tmp_path / "sanitizer.log")
+    assert fig["sanitizer"]["failed"] == ["tests.gpu.test_gpu_path::test_b"]
+    assert fig["races"] == [f"aten::add_.Tensor(...) on stream 7 after {copy_op} on stream 5",
+                            f"{copy_op} on stream 7 after {copy_op} on stream 3"]
+    cut = figures("sanitizer", tmp_path / "cut.json", tmp_path / "never-ran.xml", tmp_path / "no.log")
+    assert cut["sanitizer"] == {"ran": False} and cut["races"] == []
 
 
 def test_bench_takes_the_bound_and_the_curve(tmp_path):
