@@ -40,8 +40,7 @@ class ChunkStore:
 
     def __init__(self, tiers: Sequence[MemoryTier | NvmeTier], policy: Policy, *,
                  aliases: dict[str, str] | None = None, streams: CopyStreams | None = None, tracer=None,
-                 on_free: Callable[[ChunkKey, str], None] | None = None,
-                 urgent_kinds: frozenset[str] = frozenset()):
+                 on_free: Callable[[ChunkKey, str], None] | None = None, urgent_kinds: frozenset[str] = frozenset()):
         if not tiers:
             raise ConfigError("tiers", tiers, "at least one tier is needed")
         self.tiers = {t.name: t for t in tiers}
@@ -87,8 +86,7 @@ class ChunkStore:
             return keys
 
     def largest_bytes(self, kind: str) -> int:
-        """Bytes of the largest chunk of ``kind`` (0 when none is registered): a ``read_into``
-        buffer of this size serves every chunk of the kind."""
+        """Bytes of the largest chunk of ``kind`` (0 when none): a ``read_into`` buffer for any of them."""
         with self.lock:
             return max((r.nbytes for k, r in self.records.items() if k[0] == kind), default=0)
 
@@ -220,6 +218,10 @@ class ChunkStore:
         """
         tier = self.tier_name(tier)
         self._memory_tier(tier)
+        with self.lock:     # resident (each access while the model fits): one lock, no hops
+            rec = self._rec(key)
+            if not overwrite and tier in rec.buffers:
+                return self._pin(rec, tier)
         # While this thread brings the chunk up hop by hop (waiting outside the lock), no other
         # thread's eviction may take it back down: that is how two threads thrash a small tier.
         with self.traffic.protect(key):
@@ -241,14 +243,17 @@ class ChunkStore:
                         self._modified(rec, tier)
                     if tier not in rec.buffers:
                         continue        # it left between the fetch and here: again
-                    if tier in rec.readers:
-                        self.traffic.quiesce(rec, tier)        # the caller may write it
-                    rec.pins[tier] += 1
-                    rec.pin_threads[threading.get_ident()] += 1
-                    if rec.state is ChunkState.HOLD:
-                        self._set_state(rec, ChunkState.COMPUTE)
-                    self.policy.on_access(key)
-                    return rec.views[tier]
+                    return self._pin(rec, tier)
+
+    def _pin(self, rec: ChunkRecord, tier: str) -> torch.Tensor:     # access's pin, under the lock
+        if tier in rec.readers:     # the caller may write it: after the copies still reading it
+            self.traffic.quiesce(rec, tier)
+        rec.pins[tier] += 1
+        rec.pin_threads[threading.get_ident()] += 1
+        if rec.state is ChunkState.HOLD:
+            self._set_state(rec, ChunkState.COMPUTE)
+        self.policy.on_access(rec.key)
+        return rec.views[tier]
 
     def release(self, key: ChunkKey, tier: str, *, dirty: bool = False) -> None:
         """Unpin ``key`` from ``tier``; ``dirty=True`` says its bytes there were modified."""
@@ -262,9 +267,8 @@ class ChunkStore:
                 self.traffic.written(rec, tier)
             rec.pins[tier] -= 1
             me = threading.get_ident()
-            rec.pin_threads[me] -= 1
-            if rec.pin_threads[me] <= 0:
-                del rec.pin_threads[me]
+            if (left := rec.pin_threads.pop(me, 0) - 1) > 0:
+                rec.pin_threads[me] = left
             if not any(rec.pins.values()):
                 rec.pins.clear()
                 self._set_state(rec, ChunkState.HOLD)
@@ -285,8 +289,7 @@ class ChunkStore:
         """The typed view of a current copy on ``tier``, or None (no pin taken: use only under a pin)."""
         tier = self.tier_name(tier)
         with self.lock:
-            rec = self._rec(key)
-            return rec.views.get(tier)
+            return self._rec(key).views.get(tier)
 
     def evict(self, key: ChunkKey, tier: str) -> None:
         """Drop ``key``'s copy on ``tier``, writing it one tier down first if it is the last current
@@ -359,10 +362,7 @@ class ChunkStore:
                 self.release(key, tier, dirty=True)
 
     def _write_tier(self, rec: ChunkRecord) -> str:
-        for tier in self.order:
-            if tier in rec.buffers:
-                return tier
-        return self.traffic.lowest_memory
+        return next((tier for tier in self.order if tier in rec.buffers), self.traffic.lowest_memory)
 
     # ---- accounting -------------------------------------------------------
     def memory_report(self) -> dict:

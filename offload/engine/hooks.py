@@ -60,6 +60,11 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def wrap_for_backward(output: Any, hook: Callable[[], None]) -> Any:
     """Route the gradients of ``output``'s differentiable tensors through one ``PreBackward``."""
+    if isinstance(output, torch.Tensor):
+        # Most modules return one tensor: no walk of a nest (this runs after every module's forward).
+        if not (output.requires_grad and output.is_floating_point()):
+            return output
+        return PreBackward.apply(hook, output)[0]
     tensors: list[torch.Tensor] = []
     map_tensors(output, lambda t: tensors.append(t) or t)
     wanted = [t for t in tensors if t.requires_grad and t.is_floating_point()]

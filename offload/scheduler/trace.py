@@ -21,10 +21,14 @@ class AccessTrace:
     def __init__(self, accesses: Iterable[Hashable] = ()):
         self._order: list[Hashable] = []
         self._times: dict[Hashable, list[int]] = defaultdict(list)
+        # (now, count) -> ``upcoming``'s answer: the engine asks at every access, and a scan over
+        # a trace with few distinct keys is the trace's whole length. ``record`` clears it.
+        self._upcoming: dict[tuple[int, int], tuple[Hashable, ...]] = {}
         for key in accesses:
             self.record(key)
 
     def record(self, key: Hashable) -> None:
+        self._upcoming.clear()
         self._times[key].append(len(self._order))
         self._order.append(key)
 
@@ -59,6 +63,12 @@ class AccessTrace:
 
     def upcoming(self, now: int, count: int) -> list[Hashable]:
         """The next ``count`` distinct keys used at or after ``now`` (wrapping into the next iteration)."""
+        cached = self._upcoming.get((now, count))
+        if cached is None:
+            cached = self._upcoming[(now, count)] = tuple(self._scan(now, count))
+        return list(cached)
+
+    def _scan(self, now: int, count: int) -> list[Hashable]:
         out: list[Hashable] = []
         seen: set = set()
         n = len(self._order)
