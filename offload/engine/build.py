@@ -157,6 +157,8 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
 
 # Chunk buffers a pinned CPU tier holds beyond one per registered chunk (``fit_pinned_tier``).
 SPARE_BUFFERS = 2
+# The kinds accumulated on the device across micro-batches: uploaded, then rewritten there.
+GRADIENT_KINDS = frozenset({"grad", "grad_full"})
 
 
 def fit_pinned_tier(store: ChunkStore) -> None:
@@ -164,18 +166,25 @@ def fit_pinned_tier(store: ChunkStore) -> None:
 
     Every registered chunk of every kind, each at most one buffer there (``ChunkRecord.buffers``
     holds one per tier; nothing but the store's chunks is allocated from it: staging and the
-    activation area are buffers of their own), plus ``SPARE_BUFFERS`` of the largest chunk: one
+    activation area are buffers of their own); plus ``SPARE_BUFFERS`` of the largest chunk: one
     for a thread that made room for a chunk another thread brought there meanwhile (it frees the
     second copy under the same lock: one at a time), one for a dropped buffer an upload still
-    reads (held back until the upload is done; should more be held back, making room waits for
-    those uploads, as in any full tier). Called once the chunks are registered and before the
-    first allocation maps (and page-locks) the arena. The budget can only shrink. Unpinned
-    arenas are left as they are: their pages are touched only as used, so the cap would change
-    nothing."""
+    reads (``ChunkTraffic.free_buffer`` holds it back, still counted, until the upload is done);
+    and one more buffer per gradient chunk: under accumulation (any run of several backwards
+    before a step, whatever the config says) a gradient evicted mid-backward comes back for the
+    next micro-batch and is rewritten on the device, its host copy dropped while the upload may
+    still read it, and the GPU may be a whole backward behind the host (on simulated streams 64
+    copies behind: 10 such buffers of 36 chunks at once, where 2 spares made the tier evict, and
+    wait under the store's lock). Beyond that, making room waits for those
+    uploads or evicts, as in any full tier: never an error (every chunk's buffer still fits).
+    Called once the chunks are registered and before the first allocation maps (and page-locks)
+    the arena. The budget can only shrink. Unpinned arenas are left as they are: their pages are
+    touched only as used, so the cap would change nothing."""
     tier = store.tiers.get("cpu")       # a MemoryTier whenever there is one (make_tiers)
     if tier is None or not tier.pin:
         return
     sizes = [r.nbytes for r in store.records.values()]
+    sizes += [r.nbytes for r in store.records.values() if r.key[0] in GRADIENT_KINDS]
     tier.fit_to(sizes, spare=SPARE_BUFFERS * max(sizes, default=0))
 
 

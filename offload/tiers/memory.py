@@ -85,6 +85,7 @@ class MemoryTier:
         self._pinner = pinner
         self._unpin_at_exit = None
         self._outside: set[int] = set()     # addresses of buffers taken outside a fragmented arena
+        self.outside_arena = 0              # how many were ever taken so (each mapped, and pinned, alone)
 
     @property
     def reserved(self) -> int:
@@ -211,6 +212,7 @@ class MemoryTier:
 
             buf = aligned_empty(nbytes, torch.uint8, pin=self.pin)
             self._outside.add(buf.untyped_storage().data_ptr())
+            self.outside_arena += 1
             return buf
         # A tensor of its own over the range (its storage starts there: the engine tells chunks
         # apart by storage address), keeping the mapping alive as long as it lives.
@@ -267,4 +269,5 @@ class MemoryTier:
     def describe(self) -> dict:
         # ``budget`` is the effective one: less than ``asked_budget`` when fitted to the chunks.
         return {"budget": self.budget, "asked_budget": self.asked_budget, "in_use": self.in_use,
-                "reserved": self.reserved, "device": str(self.device), "pinned": self.pin}
+                "reserved": self.reserved, "device": str(self.device), "pinned": self.pin,
+                "outside_arena": self.outside_arena}

@@ -116,9 +116,11 @@ def test_engine_pins_what_its_chunks_need_of_a_far_larger_budget(monkeypatch):
                                 chunk_size=8192, merge_host_tiers=False)
     model, engine, pinner, pinned_state, losses = _run(monkeypatch, cfg, pin=True)
     records = engine.store.records.values()
-    rounded = sum(-(-r.nbytes // PAGE) * PAGE for r in records)
-    largest = max(-(-r.nbytes // PAGE) * PAGE for r in records)
-    bound = rounded + engine_module.SPARE_BUFFERS * largest
+    rounded = sum(-(-r.nbytes // PAGE) * PAGE for r in records)          # a buffer per chunk of each kind,
+    grads = sum(-(-r.nbytes // PAGE) * PAGE for r in records if r.key[0] in engine_module.GRADIENT_KINDS)
+    largest = max(-(-r.nbytes // PAGE) * PAGE for r in records)          # one more per gradient chunk, 2 spares
+    assert grads and rounded > grads
+    bound = rounded + grads + engine_module.SPARE_BUFFERS * largest
     tier = engine.store.tiers["cpu"]
     assert tier.budget == bound < 64 << 20
     assert [size for _, size in pinner.pins] == [bound] and pinner.unpins == []
@@ -149,3 +151,68 @@ def test_engine_whose_chunks_outgrow_the_budget_pins_exactly_the_budget_and_spil
     moved = model.offload_stats()["moved_bytes"]
     assert moved.get("nvme->cpu") and moved.get("cpu->nvme"), moved              # it spilled, as before
     engine.close()
+
+
+def test_a_fitted_tier_on_the_gpu_path_moves_what_the_whole_budget_moved(monkeypatch):
+    """The GPU path's ordering on simulated streams (``GatedStreams``: a GPU 64 copies behind the
+    host), a device budget small enough that gradient chunks leave it mid-backward and, under
+    accumulation, come back and are rewritten while their uploads may still read the host copies
+    (held back, still counted: the spare's reason). Fitted to its chunks, the pinned tier trains
+    as torch does and moves, step by step, exactly the bytes the tier of the whole budget moved,
+    with the same host waits: the cap never made it evict or wait, and no buffer missed the
+    arena. (With 2 spare buffers and none per gradient chunk it downloaded 40 % more and waited
+    under the store's lock 30 times.)"""
+    accumulate = 2
+    from unittest import mock
+
+    from tests.helpers.reference import LR, WD, Reference, make_models, small_config
+    from tests.helpers.sim_streams import GatedStreams
+
+    def train(pin: bool):
+        pinner = CountingPinner()
+
+        def tier(name, budget, device="cpu", **kw):
+            if name == "cpu" and pin:
+                kw.update(pin=True, pinner=pinner)
+            return MemoryTier(name, budget, device, **kw)
+
+        _, mine = make_models()
+        streams = GatedStreams(lag=64)
+        cfg = small_config(None, nvme_paths=None, cpu_budget="32MiB", merge_host_tiers=False,
+                           overlap_optimizer=False)
+        with mock.patch.object(engine_module, "copy_streams", lambda device: streams), \
+                mock.patch.object(engine_module, "MemoryTier", tier):
+            model = offload.wrap(mine, cfg)
+        streams.lock = model.offload_engine.store.lock
+        opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        losses, moved = [], []
+        data = iter(batches(4 * accumulate))
+        for _ in range(4):
+            total = 0.0
+            for _ in range(accumulate):
+                x, y = next(data)
+                loss = model(x, y) / accumulate
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+            moved.append(model.offload_stats()["moved_bytes"])
+        return model, streams, pinner, losses, moved
+
+    ref, _ = make_models()
+    want = Reference(ref, 4, accumulate=accumulate)
+    model, streams, pinner, losses, moved = train(pin=True)
+    whole, whole_streams, _, whole_losses, whole_moved = train(pin=False)
+    try:
+        want.check(model, losses)
+        tier = model.offload_engine.store.tiers["cpu"]
+        assert tier.budget < tier.asked_budget == 32 << 20
+        assert [size for _, size in pinner.pins] == [tier.budget] and tier.outside_arena == 0
+        assert moved[-1].get("device->cpu") and moved[-1].get("cpu->device"), moved[-1]
+        assert moved == whole_moved and losses == whole_losses
+        assert streams.host_waits == whole_streams.host_waits and streams.host_waits_under_lock == 0
+    finally:
+        for m, s in ((model, streams), (whole, whole_streams)):
+            m.offload_engine.close()
+            s.close()
