@@ -109,7 +109,7 @@ def _run(monkeypatch, cfg, *, pin: bool, steps: int = 3):
     return model, engine, pinner, state, losses
 
 
-def test_engine_pins_what_its_chunks_need_of_a_far_larger_budget(monkeypatch):
+def test_engine_pins_what_its_chunks_need_of_a_far_larger_budget(monkeypatch, capsys):
     # 64 MiB asked of a model whose chunks are a few hundred KiB: before, all 64 MiB were locked
     # (mlock beyond a default `ulimit -l` of 8 MiB is refused outright).
     cfg = offload.OffloadConfig(device="cpu", dtype="bf16", device_budget="192KiB", cpu_budget="64MiB",
@@ -127,6 +127,11 @@ def test_engine_pins_what_its_chunks_need_of_a_far_larger_budget(monkeypatch):
     report = model.offload_stats()["memory"]["tiers"]["cpu"]
     assert report["budget"] == bound and report["asked_budget"] == 64 << 20 and report["pinned"]
     assert report["reserved"] <= bound
+    from offload.train.report import format_size, summary
+
+    summary(model, losses, [0.1] * len(losses), None, 0.0, 64, 0)     # the fine-tuning script's last lines
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("cpu"))
+    assert f"budget {format_size(bound)}: pinned, fitted to its chunks, of {format_size(64 << 20)} asked" in line, line
     pinned_losses = losses
     engine.close()
     monkeypatch.undo()
