@@ -157,8 +157,9 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
 
 # Chunk buffers a pinned CPU tier holds beyond one per registered chunk (``fit_pinned_tier``).
 SPARE_BUFFERS = 2
-# The kinds accumulated on the device across micro-batches: uploaded, then rewritten there.
-GRADIENT_KINDS = frozenset({"grad", "grad_full"})
+# The kinds accumulated on the device across micro-batches: uploaded, then rewritten there (under
+# N ranks the pieces; the whole chunks, "grad_full", live pinned on the device until reduced).
+GRADIENT_KINDS = frozenset({"grad"})
 
 
 def fit_pinned_tier(store: ChunkStore) -> None:
@@ -175,8 +176,8 @@ def fit_pinned_tier(store: ChunkStore) -> None:
     next micro-batch and is rewritten on the device, its host copy dropped while the upload may
     still read it, and the GPU may be a whole backward behind the host (on simulated streams 64
     copies behind: 10 such buffers of 36 chunks at once, where 2 spares made the tier evict, and
-    wait under the store's lock). Beyond that, making room waits for those
-    uploads or evicts, as in any full tier: never an error (every chunk's buffer still fits).
+    wait under the store's lock). Beyond that, making room waits for those uploads or evicts, as
+    in any full tier: never an error (every chunk's buffer still fits: ``fits_outside_arena``).
     Called once the chunks are registered and before the first allocation maps (and page-locks)
     the arena. The budget can only shrink. Unpinned arenas are left as they are: their pages are
     touched only as used, so the cap would change nothing."""
