@@ -155,6 +155,40 @@ def make_tiers(config: OffloadConfig, device: torch.device, device_budget: int, 
     return tiers, aliases
 
 
+# Chunk buffers a pinned CPU tier holds beyond one per registered chunk (``fit_pinned_tier``).
+SPARE_BUFFERS = 2
+# The kinds accumulated on the device across micro-batches: uploaded, then rewritten there (under
+# N ranks the pieces; the whole chunks, "grad_full", live pinned on the device until reduced).
+GRADIENT_KINDS = frozenset({"grad"})
+
+
+def fit_pinned_tier(store: ChunkStore) -> None:
+    """Size the pinned CPU tier's arena to what it can ever hold, when that is less than its budget.
+
+    Every registered chunk of every kind, each at most one buffer there (``ChunkRecord.buffers``
+    holds one per tier; nothing but the store's chunks is allocated from it: staging and the
+    activation area are buffers of their own); plus ``SPARE_BUFFERS`` of the largest chunk: one
+    for a thread that made room for a chunk another thread brought there meanwhile (it frees the
+    second copy under the same lock: one at a time), one for a dropped buffer an upload still
+    reads (``ChunkTraffic.free_buffer`` holds it back, still counted, until the upload is done);
+    and one more buffer per gradient chunk: under accumulation (any run of several backwards
+    before a step, whatever the config says) a gradient evicted mid-backward comes back for the
+    next micro-batch and is rewritten on the device, its host copy dropped while the upload may
+    still read it, and the GPU may be a whole backward behind the host (on simulated streams 64
+    copies behind: 10 such buffers of 36 chunks at once, where 2 spares made the tier evict, and
+    wait under the store's lock). Beyond that, making room waits for those uploads or evicts, as
+    in any full tier: never an error (every chunk's buffer still fits: ``fits_outside_arena``).
+    Called once the chunks are registered and before the first allocation maps (and page-locks)
+    the arena. The budget can only shrink. Unpinned arenas are left as they are: their pages are
+    touched only as used, so the cap would change nothing."""
+    tier = store.tiers.get("cpu")       # a MemoryTier whenever there is one (make_tiers)
+    if tier is None or not tier.pin:
+        return
+    sizes = [r.nbytes for r in store.records.values()]
+    sizes += [r.nbytes for r in store.records.values() if r.key[0] in GRADIENT_KINDS]
+    tier.fit_to(sizes, spare=SPARE_BUFFERS * max(sizes, default=0))
+
+
 # The kinds that live from step to step (gradients come and go; gathered chunks are copies).
 PERSISTENT_KINDS = frozenset({"param", "master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"})
 

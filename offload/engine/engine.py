@@ -81,6 +81,9 @@ class OffloadEngine:
                                     precision=self.precision)
         self.spills = build.register_optimizer_state(self.store, self.params, config, self.dtype,
                                                      self.device_budget + self.cpu_budget)
+        # Every chunk is registered and nothing allocated yet: a pinned CPU tier maps (and page-locks)
+        # only what they can take, and its budget says so (the stats and the trainer report that one).
+        build.fit_pinned_tier(self.store)
         if lazy is not None:
             self.params.fill_lazily("cpu", lazy, model)
         else:

@@ -11,7 +11,10 @@ use, never beyond the budget. Pinned, the whole mapping is page-locked once, at 
 allocation (``cudaHostRegister`` with CUDA): registration populates it, and a chunk of any size
 may land anywhere in it, so it is registered whole rather than buffer by buffer — a
 register/unregister per buffer costs a page-table walk of MiBs each time, and freeing buffers of
-one size to make room for another did that dozens of times a step. When the budget has the bytes
+one size to make room for another did that dozens of times a step. A pinned tier whose chunks
+need less than its budget is sized to them instead (``fit_to``, called once every chunk is
+registered, before the first allocation maps the arena): a budget is a ceiling, and page-locking
+all of it pinned tens of GB a 1B model never used. When the budget has the bytes
 but the arena no contiguous range for them and nothing can be evicted (every chunk pinned: under
 N ranks whole gathered chunks and 1/N pieces interleave), a buffer is taken outside the arena
 (``fits_outside_arena``): the budget still holds, only that buffer misses the arena.
@@ -47,8 +50,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import DeviceMemoryError, TierFullError
-from .arena import Extents
+from ..errors import DeviceMemoryError, StateError, TierFullError
+from .arena import Extents, Slots
 
 HUGEPAGE = 2 << 20
 
@@ -74,13 +77,15 @@ class MemoryTier:
         self._retire_stream = None          # CUDA: waits for released buffers' fences (``_release``)
         # Host memory for O_DIRECT or DMA is one arena: its bookkeeping now, its mapping at first use.
         arena = self.device.type == "cpu" and (aligned or pin)
-        self._extents = Extents(self.budget // 4096 * 4096) if arena else None
+        self._extents: Extents | Slots | None = Extents(self.budget // 4096 * 4096) if arena else None
+        self.asked_budget = self.budget     # the budget given; ``budget`` is less once ``fit_to`` fits it
         self._mapping: memoryview | None = None
         self._base = 0
         self._largest_request = 0
         self._pinner = pinner
         self._unpin_at_exit = None
         self._outside: set[int] = set()     # addresses of buffers taken outside a fragmented arena
+        self.outside_arena = 0              # how many were ever taken so (each mapped, and pinned, alone)
 
     @property
     def reserved(self) -> int:
@@ -96,7 +101,23 @@ class MemoryTier:
         if self.in_use + nbytes > self.budget:
             return False
         # In an arena the bytes must also be contiguous (evicting more makes them so).
-        return self._extents is None or self._extents.largest() >= nbytes
+        return self._extents is None or self._extents.fits(nbytes)
+
+    def fit_to(self, sizes: Sequence[int], spare: int) -> int:
+        """Size the arena, and the budget with it, to one buffer of each of ``sizes`` at once plus
+        ``spare`` bytes, when that is less than the budget (``Slots``: a slot per buffer, so they
+        never fragment); returns the budget now. Only before the arena is mapped: it is mapped and
+        page-locked once. A tier without an arena maps nothing up front: it stays as it is."""
+        if self._extents is None:
+            return self.budget
+        if self._mapping is not None:
+            raise StateError(f"tier {self.name!r}: its {self._extents.size}-byte arena is mapped already; "
+                             "fit it to its chunks before the first allocation")
+        slots = Slots(sizes, spare)
+        if slots.size < self._extents.size:
+            self._extents = slots
+            self.budget = slots.size
+        return self.budget
 
     def fits_outside_arena(self, nbytes: int) -> bool:
         """The budget has ``nbytes`` free though the arena has no contiguous range for them: the
@@ -191,6 +212,7 @@ class MemoryTier:
 
             buf = aligned_empty(nbytes, torch.uint8, pin=self.pin)
             self._outside.add(buf.untyped_storage().data_ptr())
+            self.outside_arena += 1
             return buf
         # A tensor of its own over the range (its storage starts there: the engine tells chunks
         # apart by storage address), keeping the mapping alive as long as it lives.
@@ -245,5 +267,7 @@ class MemoryTier:
                     "budget leaves; lower device_budget or the batch") from None
 
     def describe(self) -> dict:
-        return {"budget": self.budget, "in_use": self.in_use, "reserved": self.reserved,
-                "device": str(self.device), "pinned": self.pin}
+        # ``budget`` is the effective one: less than ``asked_budget`` when fitted to the chunks.
+        return {"budget": self.budget, "asked_budget": self.asked_budget, "in_use": self.in_use,
+                "reserved": self.reserved, "device": str(self.device), "pinned": self.pin,
+                "outside_arena": self.outside_arena}

@@ -89,5 +89,8 @@ def summary(model, losses, times, predicted, t_start, tokens_per_step, base_rss,
     for name, tier in report["tiers"].items():
         held = sum(tier["bytes_by_kind"].values())
         where = f" in {', '.join(tier['paths'])}" if "paths" in tier else ""
+        # A pinned tier is fitted to its chunks (engine.build.fit_pinned_tier): its budget is what it pins.
+        fitted = f": pinned, fitted to its chunks, of {format_size(tier['asked_budget'])} asked" \
+            if tier.get("asked_budget", 0) > tier["budget"] else ""
         print(f"  {name:<6} tier    {format_size(held)} of state{where} "
-              f"(budget {format_size(tier['budget'])})", file=sys.stderr)
+              f"(budget {format_size(tier['budget'])}{fitted})", file=sys.stderr)
