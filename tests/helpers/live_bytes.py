@@ -7,6 +7,8 @@ counted until it expires. Expired storages are dropped after every operator, so 
 most bytes alive at once, sampled at operator boundaries. Dispatch modes are per thread (autograd
 takes its caller's on the CPU): storages other threads make (the engine's Adam worker) are not
 counted. Storages that existed before the mode was entered are not counted either.
+``nbytes``: count only storages of exactly that size (the kind of tensor a test is about, apart
+from the rest, whose lifetimes may follow other threads' timing).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", nbytes: int | None = None):
         super().__init__()
         self.device = torch.device(device).type
+        self.nbytes = nbytes
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}     # data_ptr -> (weak storage, bytes)
         self.bytes = 0
         self.peak = 0
@@ -31,7 +34,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and ret.alias_info is None and t.device.type == self.device:
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr and ptr not in self.live:
+                if ptr and ptr not in self.live and self.nbytes in (None, storage.nbytes()):
                     self.live[ptr] = (StorageWeakRef(storage), storage.nbytes())
                     self.bytes += storage.nbytes()
         for ptr, (ref, size) in list(self.live.items()):

@@ -6,7 +6,7 @@ run was not holding more: the first run's engine was never freed (its parameters
 grad hooks, which the garbage collector cannot see, held it), so its device chunks stayed allocated
 under the second run. Here, on the CPU as the compute device: a closed or dropped engine is freed,
 and parking lowers the peak of live compute-device bytes (``tests.helpers.live_bytes``, the CPU's
-``max_memory_allocated``) by about the parked inputs.
+``max_memory_allocated`` for one size of tensor) by about the parked inputs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from tests.helpers.live_bytes import LiveBytes
 
-VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 32, 32, 12, 2, 16, 2
-LAYER_INPUT = BATCH * SEQ * HIDDEN * 4      # bytes of one block's fp32 input
+# Sizes chosen so that no weight, gradient of a weight, or logits tensor has a layer input's size.
+VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 40, 32, 12, 2, 24, 2
+LAYER_INPUT = BATCH * SEQ * HIDDEN * 4      # bytes of one block's fp32 input (6 KiB)
 PREFETCH = 2
 
 
@@ -69,8 +70,10 @@ def data():
 
 
 def peak_live_bytes(reentrant: bool, mode: str) -> tuple[int, dict]:
-    """The most compute-device bytes alive at once in a forward and backward after the first step
-    (every chunk is on the device by then), and that step's activation statistics."""
+    """The most compute-device bytes of layer-input-sized tensors (the inputs, the copies brought
+    back, LayerNorm outputs, their gradients) alive at once in a forward and backward after the
+    first step, and that step's activation statistics. The rest (weight gradients, chunks) is left
+    out: when those go depends on the optimizer thread's progress."""
     model = offload.wrap(Stack(reentrant), config(mode))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     peaks, acts = [], None
@@ -79,7 +82,7 @@ def peak_live_bytes(reentrant: bool, mode: str) -> tuple[int, dict]:
             gc.collect()
             gc.disable()    # cycles freed at the collector's whim would move the peak between runs
             try:
-                with LiveBytes() as live:
+                with LiveBytes(nbytes=LAYER_INPUT) as live:
                     model(features, targets).backward()
             finally:
                 gc.enable()
