@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload
+from offload.engine import build
 from tests.helpers.live_bytes import LiveBytes
+from tests.helpers.sim_streams import GatedStreams
 
 # Sizes chosen so that no weight, gradient of a weight, or logits tensor has a layer input's size.
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 40, 32, 12, 2, 24, 2
@@ -97,15 +100,19 @@ def peak_live_bytes(reentrant: bool, mode: str) -> tuple[int, dict]:
         model.offload_engine.close()
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_parked_layer_inputs_lower_the_peak_of_live_device_bytes(reentrant):
+@pytest.mark.parametrize("reentrant, streams", [(False, False), (True, False), (False, True)],
+                         ids=["non-reentrant", "reentrant", "copy-streams"])
+def test_parked_layer_inputs_lower_the_peak_of_live_device_bytes(reentrant, streams):
+    """``copy-streams``: the GPU path's copies and read-backs ahead of need, on simulated streams
+    that keep up (each copy runs as it is queued: deterministic)."""
     kept, _ = peak_live_bytes(reentrant, "none")
-    parked, acts = peak_live_bytes(reentrant, "cpu")
+    with mock.patch.object(build, "copy_streams", lambda device: GatedStreams(lag=0) if streams else None):
+        parked, acts = peak_live_bytes(reentrant, "cpu")
     assert acts["parked"] == LAYERS and acts["kept_on_device_bytes"] == 0, acts
     # Kept, every block's input waits for backward on the device. Parked, the device holds the
     # one a checkpoint is being given (until the next module shows it is a boundary) and, in
-    # backward, the one in use and those brought back ahead of it (none early on the CPU, where
-    # copies are synchronous: that is the margin).
+    # backward, the one in use and those brought back ahead of it (without streams, none early:
+    # then that is the margin).
     saved = (LAYERS - 1 - 1 - PREFETCH) * LAYER_INPUT
     assert parked <= kept - saved, (parked, kept, saved)
 
