@@ -12,6 +12,7 @@ autograd callback ends it (or the next forward or ``zero_grad`` finds it abandon
 from __future__ import annotations
 
 import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -32,6 +33,19 @@ from .updates import ReadyGradients, UpdateQueue
 def autograd_running() -> bool:
     """Whether a backward is running on this thread: no public API (FSDP2 asks the same way)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def weak_grad_hook(hooks: "ModuleHooks"):
+    """``hooks._on_grad`` holding ``hooks`` weakly: torch keeps post-accumulate-grad hooks where the
+    garbage collector cannot see them, so a bound method there made a cycle (parameter, hook,
+    engine) that was never freed, and a dropped engine kept its device chunks allocated for good."""
+    ref = weakref.ref(hooks)
+
+    def on_grad(p: nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad(p)
+    return on_grad
 
 
 class ModuleHooks:
@@ -108,7 +122,7 @@ class ModuleHooks:
             self._handles.append(module.register_forward_hook(self._post_forward))
         for p in self.params.params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self)))
 
     def close(self) -> None:
         """The engine closed: a forward from now on raises."""
