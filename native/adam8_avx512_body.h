@@ -65,20 +65,26 @@ INLINE void lookup64(const uint8_t (*planes)[256], __m512i c, __m512 out[4])
 
 /* The nearest codes of sixteen values: off__qcode_add lane by lane, one gather from code[]
  * (adam8_internal.h) and one add; tab is the map's code[] less OFF_QC_LO entries, so the
- * clamped bits' high half indexes it directly. */
+ * clamped bits' high half indexes it directly. Only the lower clamp is applied: the values
+ * searched are x * (1/absmax) with |x| <= absmax, and absmax * RN(1/absmax) <= 1 + 2^-24
+ * rounds to at most 1 + 2^-23, whose high half 0x3f80 is 1.0's: the same entry, and its low
+ * half never carries (that bucket holds no midpoint), so the upper clamp never changes a code. */
 INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 {
     __m512i u = _mm512_castps_si512(x), a;
     if (map == OFF_QMAP_UNSIGNED) { /* a negative x (its bits < 0 as an int) codes as +0 */
         a = _mm512_max_epi32(u, _mm512_set1_epi32(0x34000000));
-        a = _mm512_min_epi32(a, _mm512_set1_epi32(0x3f800000));
     } else {
+#if OFF_A8_VBMI
+        /* sign(x) * max(|x|, 2^-23) in one vrangeps (imm 0b0111: larger magnitude, x's sign) */
+        a = _mm512_castps_si512(_mm512_range_ps(x, _mm512_set1_ps(0x1p-23f), 0x7));
+#else
         a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-        a = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32(0x34000000)),
-                             _mm512_set1_epi32(0x3f800000));
-        /* |x| clamped with x's sign, then complemented where negative */
+        a = _mm512_max_epu32(a, _mm512_set1_epi32(0x34000000));
+        /* |x| clamped with x's sign */
         a = _mm512_ternarylogic_epi32(a, u, _mm512_set1_epi32((int)0x80000000u), 0xf8);
-        a = _mm512_xor_si512(a, _mm512_srai_epi32(a, 31));
+#endif
+        a = _mm512_xor_si512(a, _mm512_srai_epi32(a, 31)); /* complemented where negative */
     }
     __m512i r = _mm512_add_epi32(_mm512_i32gather_epi32(_mm512_srli_epi32(a, 16), tab, 4), a);
 #if OFF_A8_VBMI
@@ -93,23 +99,28 @@ INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 #endif
 }
 
-/* Running absmax and non-finite lanes of live lanes of x (exact in any order: max). */
-INLINE void track(__m512 x, __mmask16 live, __m512 *amax, __mmask16 *bad)
+/* Running max of the live lanes' |x| bits: for floats of one sign the integer order is the
+ * float order, and every non-finite |x| (inf 0x7f800000, NaN above) is above every finite one,
+ * so one integer max tracks both the absmax and whether a lane was non-finite (two uops, where
+ * a float max and a separate non-finite compare took four). */
+INLINE void track(__m512 x, __mmask16 live, __m512i *amax)
 {
-    __m512 a = _mm512_abs_ps(x);
-    *bad |= _mm512_mask_cmp_ps_mask(live, a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
-    *amax = _mm512_mask_max_ps(*amax, live, *amax, a);
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    *amax = _mm512_mask_max_epu32(*amax, live, *amax, a);
 }
 
-/* A block's stored scale from its tracked absmax (NaN when poisoned, 0 when flushed), and in
- * *inv the factor its values are multiplied by before the search; as off__quant_scalar. */
-INLINE float block_scale(__m512 amax, __mmask16 bad, float *inv)
+/* A block's stored scale from its tracked |x| bits (NaN when poisoned, 0 when flushed), and in
+ * *inv the factor its values are multiplied by before the search; as off__quant_scalar.
+ * *bad: whether a value was non-finite (poisoned). */
+INLINE float block_scale(__m512i amax, int *bad, float *inv)
 {
-    if (bad) {
+    uint32_t top = _mm512_reduce_max_epu32(amax);
+    *bad = top > 0x7f7fffffu;
+    if (*bad) {
         *inv = 0.0f;
         return off__bits_f32(0x7fc00000u);
     }
-    float absmax = _mm512_reduce_max_ps(amax);
+    float absmax = off__bits_f32(top);
     *inv = off__inv_scale(absmax);
     return *inv == 0.0f ? 0.0f : absmax;
 }
@@ -240,8 +251,9 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
         if (ahead < end)
             prefetch_block(io, psz, gsz, osz, out_dtype, ahead,
                            end - ahead < c->block ? end - ahead : c->block);
-        __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps(), m, v;
-        __mmask16 bm = 0, bv = 0;
+        __m512i am = _mm512_setzero_si512(), av = _mm512_setzero_si512();
+        __m512 m, v;
+        int bm, bv;
         long long j = 0;
 #if OFF_A8_VBMI
         for (; j + 64 <= len; j += 64) {
@@ -253,8 +265,8 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
                 step16(c, io->master, master_dtype, io->grad, grad_dtype, mq[u], vq[u], io->out,
                        out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
                        mcur + j + 16 * u, vcur + j + 16 * u, &m, &v);
-                track(m, 0xffff, &am, &bm);
-                track(v, 0xffff, &av, &bv);
+                track(m, 0xffff, &am);
+                track(v, 0xffff, &av);
                 if (j + 16 * u < prev.len)
                     encode_pending(&prev, j + 16 * u);
             }
@@ -266,8 +278,8 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
                    lookup16(off__qt.values[OFF_QMAP_SIGNED], io->m_codes + i),
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], io->v_codes + i), io->out, out_dtype,
                    i, (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
-            track(m, 0xffff, &am, &bm);
-            track(v, 0xffff, &av, &bv);
+            track(m, 0xffff, &am);
+            track(v, 0xffff, &av);
             if (j < prev.len)
                 encode_pending(&prev, j);
         }
@@ -285,15 +297,15 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], vc), o, out_dtype, 0,
                    (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
             __mmask16 live = (__mmask16)((1u << k) - 1u);
-            track(m, live, &am, &bm);
-            track(v, live, &av, &bv);
+            track(m, live, &am);
+            track(v, live, &av);
             memcpy((char *)io->master + (size_t)i * psz, p, (size_t)k * psz);
             if (out_dtype != OFF_DTYPE_NONE)
                 memcpy((char *)io->out + (size_t)i * osz, o, (size_t)k * osz);
         }
         float inv_m, inv_v;
-        io->m_absmax[blk] = block_scale(am, bm, &inv_m);
-        io->v_absmax[blk] = block_scale(av, bv, &inv_v);
+        io->m_absmax[blk] = block_scale(am, &bm, &inv_m);
+        io->v_absmax[blk] = block_scale(av, &bv, &inv_v);
         if (bm)
             memset(io->m_codes + s, off__qt.zero_code[OFF_QMAP_SIGNED], (size_t)len);
         if (bv)

@@ -5,7 +5,7 @@
  */
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vbmi,avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 #define OFF_A8_VBMI 1
 #include "adam8_avx512_body.h"
