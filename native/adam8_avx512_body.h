@@ -16,10 +16,49 @@
 #include "adam8_internal.h"
 #include "simd_avx512.h"
 
-/* off__f32_to_bf16_sr with off__sr_bits(key, index + lane) for the sixteen lanes. */
-INLINE __m256i to_bf16_sr(__m512 x, uint32_t key, unsigned long long index)
+/*
+ * The bf16 master's sixteen stochastically rounded values at element index `index`, as
+ * off__f32_to_bf16_sr(x, off__sr_bits(key, index + lane)), returned as the 32-bit sums whose
+ * high halves are the bf16 bits. kb is mix32(key ^ khi) broadcast, computed once per block for
+ * the high index word khi: where all sixteen indices share it (all but one group in 2^28) the
+ * hash starts from kb, and its last xor-shift and the mask to 16 bits are one vpternlogd.
+ */
+INLINE __m512i bf16_sr_hi(__m512 x, uint32_t key, unsigned long long index, __m512i kb,
+                          uint32_t khi)
 {
-    return bf16_sr(x, sr_bits(key, index));
+    uint32_t lo0 = (uint32_t)index;
+    __m512i r;
+    if ((uint32_t)(index >> 32) == khi && lo0 <= 0xfffffff0u) {
+        __m512i t = _mm512_xor_si512(
+            _mm512_add_epi32(_mm512_set1_epi32((int)lo0),
+                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+            kb);
+        t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 16));
+        t = _mm512_mullo_epi32(t, _mm512_set1_epi32(0x7feb352d));
+        t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 15));
+        t = _mm512_mullo_epi32(t, _mm512_set1_epi32((int)0x846ca68bu));
+        r = _mm512_ternarylogic_epi32(t, _mm512_srli_epi32(t, 16), _mm512_set1_epi32(0xffff), 0x28);
+    } else {
+        r = _mm512_and_si512(sr_bits(key, index), _mm512_set1_epi32(0xffff));
+    }
+    __m512i u = _mm512_castps_si512(x);
+    __m512i h = _mm512_add_epi32(u, r);
+    /* NaN: (bits >> 16) | 0x40, a quiet NaN */
+    return _mm512_mask_or_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u,
+                                _mm512_set1_epi32(0x00400000));
+}
+
+/* The high halves of sixteen 32-bit lanes as sixteen 16-bit values. */
+INLINE __m256i high_halves(__m512i h)
+{
+#if OFF_A8_VBMI /* one vpermw (AVX-512 BW) instead of a shift and a two-uop vpmovdw */
+    const __m512i odd = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, h));
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16));
+#endif
 }
 
 /* The map values of sixteen codes, through a gather. */
@@ -150,7 +189,8 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
  * mb/vb and the random bits use element index `index`. */
 INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, const void *grad,
                    int grad_dtype, __m512 mq, __m512 vq, void *out, int out_dtype,
-                   long long i, unsigned long long index, __m512 sm, __m512 sv, float *mb, float *vb,
+                   long long i, unsigned long long index, __m512i kb, uint32_t khi, __m512 sm,
+                   __m512 sv, float *mb, float *vb,
                    __m512 *mo, __m512 *vo)
 {
     const off__adam_consts *k = &c->a;
@@ -178,7 +218,7 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
     *vo = v;
     __m256i h = _mm256_setzero_si256();
     if (master_dtype == OFF_DTYPE_BF16) {
-        h = to_bf16_sr(p, c->key, index);
+        h = high_halves(bf16_sr_hi(p, c->key, index, kb, khi));
         _mm256_storeu_si256((__m256i *)((uint16_t *)master + i), h);
         p = widen(h, OFF_DTYPE_BF16);
     } else {
@@ -234,9 +274,13 @@ INLINE void encode_pending(const struct pending *q, long long j)
         encode16(OFF_QMAP_UNSIGNED, q->v + j, q->vc + j, q->inv_v);
 }
 
-INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_dtype,
+INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int master_dtype,
                 int grad_dtype, int out_dtype, long long begin, long long end)
 {
+    /* Local copies: stores through the buffers could alias *cp and *iop as far as the compiler
+     * knows, which made it reload every constant and pointer after each store. */
+    const off__adam8_consts cl = *cp, *c = &cl;
+    const off__adam8_io iol = *iop, *io = &iol;
     float mb[2][OFF_ADAM8_MAX_BLOCK], vb[2][OFF_ADAM8_MAX_BLOCK];
     size_t psz = master_dtype == OFF_DTYPE_FP32 ? 4 : 2, gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     size_t osz = out_dtype == OFF_DTYPE_FP32 ? 4 : 2;
@@ -247,6 +291,8 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
         long long blk = s / c->block;
         float *mcur = mb[cur], *vcur = vb[cur];
         __m512 sm = _mm512_set1_ps(io->m_absmax[blk]), sv = _mm512_set1_ps(io->v_absmax[blk]);
+        uint32_t khi = (uint32_t)((unsigned long long)(io->index_base + s) >> 32);
+        __m512i kb = _mm512_set1_epi32((int)off__mix32(c->key ^ khi));
         long long ahead = s + OFF_ADAM8_PREFETCH;
         if (ahead < end)
             prefetch_block(io, psz, gsz, osz, out_dtype, ahead,
@@ -263,7 +309,7 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             for (int u = 0; u < 4; u++) {
                 long long i = s + j + 16 * u;
                 step16(c, io->master, master_dtype, io->grad, grad_dtype, mq[u], vq[u], io->out,
-                       out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
+                       out_dtype, i, (unsigned long long)(io->index_base + i), kb, khi, sm, sv,
                        mcur + j + 16 * u, vcur + j + 16 * u, &m, &v);
                 track(m, 0xffff, &am);
                 track(v, 0xffff, &av);
@@ -277,7 +323,7 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             step16(c, io->master, master_dtype, io->grad, grad_dtype,
                    lookup16(off__qt.values[OFF_QMAP_SIGNED], io->m_codes + i),
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], io->v_codes + i), io->out, out_dtype,
-                   i, (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
+                   i, (unsigned long long)(io->index_base + i), kb, khi, sm, sv, mcur + j, vcur + j, &m, &v);
             track(m, 0xffff, &am);
             track(v, 0xffff, &av);
             if (j < prev.len)
@@ -295,7 +341,7 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             memcpy(vc, io->v_codes + i, (size_t)k);
             step16(c, p, master_dtype, g, grad_dtype, lookup16(off__qt.values[OFF_QMAP_SIGNED], mc),
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], vc), o, out_dtype, 0,
-                   (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
+                   (unsigned long long)(io->index_base + i), kb, khi, sm, sv, mcur + j, vcur + j, &m, &v);
             __mmask16 live = (__mmask16)((1u << k) - 1u);
             track(m, live, &am);
             track(v, live, &av);
