@@ -234,26 +234,26 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
                             _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* Software prefetch of one block's streams `ahead` elements on (the hardware prefetcher alone
- * leaves the core waiting on seven streams). */
-INLINE void prefetch_block(const off__adam8_io *io, size_t psz, size_t gsz, size_t osz, int out_dtype,
-                           long long s, long long len)
+/* Software prefetch of `len` (<= 64) elements' lines of every stream at element s (the
+ * hardware prefetcher alone leaves the core waiting on seven streams). Called every 64
+ * elements rather than once a block: a block's forty-odd prefetches in one burst filled the
+ * line fill buffers and stalled the loads behind them. */
+INLINE void prefetch64(const off__adam8_io *io, size_t psz, size_t gsz, size_t osz, int out_dtype,
+                       long long s)
 {
-    for (long long k = 0; k < len; k += 64) {
-        const char *m = (const char *)io->master + (size_t)(s + k) * psz;
-        const char *g = (const char *)io->grad + (size_t)(s + k) * gsz;
-        for (size_t b = 0; b < 64 * psz; b += 64)
-            _mm_prefetch(m + b, _MM_HINT_T0);
-        for (size_t b = 0; b < 64 * gsz; b += 64)
-            _mm_prefetch(g + b, _MM_HINT_T0);
-        if (out_dtype != OFF_DTYPE_NONE) {
-            const char *o = (const char *)io->out + (size_t)(s + k) * osz;
-            for (size_t b = 0; b < 64 * osz; b += 64)
-                _mm_prefetch(o + b, _MM_HINT_T0);
-        }
-        _mm_prefetch((const char *)(io->m_codes + s + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(io->v_codes + s + k), _MM_HINT_T0);
+    const char *m = (const char *)io->master + (size_t)s * psz;
+    const char *g = (const char *)io->grad + (size_t)s * gsz;
+    for (size_t b = 0; b < 64 * psz; b += 64)
+        _mm_prefetch(m + b, _MM_HINT_T0);
+    for (size_t b = 0; b < 64 * gsz; b += 64)
+        _mm_prefetch(g + b, _MM_HINT_T0);
+    if (out_dtype != OFF_DTYPE_NONE) {
+        const char *o = (const char *)io->out + (size_t)s * osz;
+        for (size_t b = 0; b < 64 * osz; b += 64)
+            _mm_prefetch(o + b, _MM_HINT_T0);
     }
+    _mm_prefetch((const char *)(io->m_codes + s), _MM_HINT_T0);
+    _mm_prefetch((const char *)(io->v_codes + s), _MM_HINT_T0);
 }
 
 /* One pending block's requantisation: its codes are written while the next block updates, so
@@ -293,10 +293,10 @@ INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int maste
         __m512 sm = _mm512_set1_ps(io->m_absmax[blk]), sv = _mm512_set1_ps(io->v_absmax[blk]);
         uint32_t khi = (uint32_t)((unsigned long long)(io->index_base + s) >> 32);
         __m512i kb = _mm512_set1_epi32((int)off__mix32(c->key ^ khi));
-        long long ahead = s + OFF_ADAM8_PREFETCH;
-        if (ahead < end)
-            prefetch_block(io, psz, gsz, osz, out_dtype, ahead,
-                           end - ahead < c->block ? end - ahead : c->block);
+#if !OFF_A8_VBMI /* the VBMI loop prefetches as it goes */
+        for (long long k = s + OFF_ADAM8_PREFETCH; k < end && k < s + OFF_ADAM8_PREFETCH + len; k += 64)
+            prefetch64(io, psz, gsz, osz, out_dtype, k);
+#endif
         __m512i am = _mm512_setzero_si512(), av = _mm512_setzero_si512();
         __m512 m, v;
         int bm, bv;
@@ -304,6 +304,8 @@ INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int maste
 #if OFF_A8_VBMI
         for (; j + 64 <= len; j += 64) {
             __m512 mq[4], vq[4];
+            if (s + j + OFF_ADAM8_PREFETCH < end)
+                prefetch64(io, psz, gsz, osz, out_dtype, s + j + OFF_ADAM8_PREFETCH);
             lookup64(off__qt.planes[OFF_QMAP_SIGNED], _mm512_loadu_si512(io->m_codes + s + j), mq);
             lookup64(off__qt.planes[OFF_QMAP_UNSIGNED], _mm512_loadu_si512(io->v_codes + s + j), vq);
             for (int u = 0; u < 4; u++) {

@@ -11,7 +11,7 @@
 #define OFF_ADAM8_MAX_BLOCK 4096
 /* How far ahead (elements) the SIMD kernels prefetch each block's streams. */
 #ifndef OFF_ADAM8_PREFETCH
-#define OFF_ADAM8_PREFETCH 1024
+#define OFF_ADAM8_PREFETCH 512
 #endif
 
 /*
