@@ -234,28 +234,6 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
                             _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* Software prefetch of `len` (<= 64) elements' lines of every stream at element s (the
- * hardware prefetcher alone leaves the core waiting on seven streams). Called every 64
- * elements rather than once a block: a block's forty-odd prefetches in one burst filled the
- * line fill buffers and stalled the loads behind them. */
-INLINE void prefetch64(const off__adam8_io *io, size_t psz, size_t gsz, size_t osz, int out_dtype,
-                       long long s)
-{
-    const char *m = (const char *)io->master + (size_t)s * psz;
-    const char *g = (const char *)io->grad + (size_t)s * gsz;
-    for (size_t b = 0; b < 64 * psz; b += 64)
-        _mm_prefetch(m + b, _MM_HINT_T0);
-    for (size_t b = 0; b < 64 * gsz; b += 64)
-        _mm_prefetch(g + b, _MM_HINT_T0);
-    if (out_dtype != OFF_DTYPE_NONE) {
-        const char *o = (const char *)io->out + (size_t)s * osz;
-        for (size_t b = 0; b < 64 * osz; b += 64)
-            _mm_prefetch(o + b, _MM_HINT_T0);
-    }
-    _mm_prefetch((const char *)(io->m_codes + s), _MM_HINT_T0);
-    _mm_prefetch((const char *)(io->v_codes + s), _MM_HINT_T0);
-}
-
 /* One pending block's requantisation: its codes are written while the next block updates, so
  * the latencies of the two (the block's absmax, the searches; the divisions) overlap. */
 struct pending {
@@ -295,7 +273,7 @@ INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int maste
         __m512i kb = _mm512_set1_epi32((int)off__mix32(c->key ^ khi));
 #if !OFF_A8_VBMI /* the VBMI loop prefetches as it goes */
         for (long long k = s + OFF_ADAM8_PREFETCH; k < end && k < s + OFF_ADAM8_PREFETCH + len; k += 64)
-            prefetch64(io, psz, gsz, osz, out_dtype, k);
+            off__adam8_prefetch64(io, psz, gsz, osz, out_dtype, k);
 #endif
         __m512i am = _mm512_setzero_si512(), av = _mm512_setzero_si512();
         __m512 m, v;
@@ -305,7 +283,7 @@ INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int maste
         for (; j + 64 <= len; j += 64) {
             __m512 mq[4], vq[4];
             if (s + j + OFF_ADAM8_PREFETCH < end)
-                prefetch64(io, psz, gsz, osz, out_dtype, s + j + OFF_ADAM8_PREFETCH);
+                off__adam8_prefetch64(io, psz, gsz, osz, out_dtype, s + j + OFF_ADAM8_PREFETCH);
             lookup64(off__qt.planes[OFF_QMAP_SIGNED], _mm512_loadu_si512(io->m_codes + s + j), mq);
             lookup64(off__qt.planes[OFF_QMAP_UNSIGNED], _mm512_loadu_si512(io->v_codes + s + j), vq);
             for (int u = 0; u < 4; u++) {
