@@ -144,7 +144,8 @@ __attribute__((constructor)) static void off_adam8_init(void)
     tables_ok = ok;
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    vbmi_ok = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+    vbmi_ok = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw")
+              && __builtin_cpu_supports("avx512dq");
     atomic_store(&vbmi_on, vbmi_ok);
 #endif
 }

@@ -180,9 +180,12 @@ INLINE void encode_pending(const struct pending *q, long long j)
         encode8(OFF_QMAP_UNSIGNED, q->v + j, q->vc + j, q->inv_v);
 }
 
-INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_dtype,
+INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int master_dtype,
                 int grad_dtype, int out_dtype, long long begin, long long end)
 {
+    /* local copies: stores through the buffers could alias *cp and *iop (see adam8_avx512_body.h) */
+    const off__adam8_consts cl = *cp, *c = &cl;
+    const off__adam8_io iol = *iop, *io = &iol;
     float mb[2][OFF_ADAM8_MAX_BLOCK], vb[2][OFF_ADAM8_MAX_BLOCK];
     size_t psz = master_dtype == OFF_DTYPE_FP32 ? 4 : 2, gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     size_t osz = out_dtype == OFF_DTYPE_FP32 ? 4 : 2;
@@ -198,6 +201,8 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
         long long j = 0;
         for (; j + 8 <= len; j += 8) {
             long long i = s + j;
+            if ((j & 63) == 0 && i + OFF_ADAM8_PREFETCH < end)
+                off__adam8_prefetch64(io, psz, gsz, osz, out_dtype, i + OFF_ADAM8_PREFETCH);
             step8(c, io->master, master_dtype, io->grad, grad_dtype, io->m_codes, io->v_codes,
                   io->out, out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
                   mcur + j, vcur + j, &m, &v);

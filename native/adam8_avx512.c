@@ -13,14 +13,14 @@
 /* off__quant_scalar: absmax over n (<= one block) values, then the codes. */
 float off__quant_avx512(int map, const float *x, uint8_t *codes, long long n)
 {
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 bad = 0;
+    __m512i amax = _mm512_setzero_si512();
+    int bad;
     for (long long i = 0; i < n; i += 16) {
         __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1u);
-        track(_mm512_maskz_loadu_ps(live, x + i), live, &amax, &bad);
+        track(_mm512_maskz_loadu_ps(live, x + i), live, &amax);
     }
     float inv;
-    float scale = block_scale(amax, bad, &inv);
+    float scale = block_scale(amax, &bad, &inv);
     if (bad)
         memset(codes, off__qt.zero_code[map], (size_t)n);
     else if (map == OFF_QMAP_SIGNED)

@@ -16,10 +16,49 @@
 #include "adam8_internal.h"
 #include "simd_avx512.h"
 
-/* off__f32_to_bf16_sr with off__sr_bits(key, index + lane) for the sixteen lanes. */
-INLINE __m256i to_bf16_sr(__m512 x, uint32_t key, unsigned long long index)
+/*
+ * The bf16 master's sixteen stochastically rounded values at element index `index`, as
+ * off__f32_to_bf16_sr(x, off__sr_bits(key, index + lane)), returned as the 32-bit sums whose
+ * high halves are the bf16 bits. kb is mix32(key ^ khi) broadcast, computed once per block for
+ * the high index word khi: where all sixteen indices share it (all but one group in 2^28) the
+ * hash starts from kb, and its last xor-shift and the mask to 16 bits are one vpternlogd.
+ */
+INLINE __m512i bf16_sr_hi(__m512 x, uint32_t key, unsigned long long index, __m512i kb,
+                          uint32_t khi)
 {
-    return bf16_sr(x, sr_bits(key, index));
+    uint32_t lo0 = (uint32_t)index;
+    __m512i r;
+    if ((uint32_t)(index >> 32) == khi && lo0 <= 0xfffffff0u) {
+        __m512i t = _mm512_xor_si512(
+            _mm512_add_epi32(_mm512_set1_epi32((int)lo0),
+                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+            kb);
+        t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 16));
+        t = _mm512_mullo_epi32(t, _mm512_set1_epi32(0x7feb352d));
+        t = _mm512_xor_si512(t, _mm512_srli_epi32(t, 15));
+        t = _mm512_mullo_epi32(t, _mm512_set1_epi32((int)0x846ca68bu));
+        r = _mm512_ternarylogic_epi32(t, _mm512_srli_epi32(t, 16), _mm512_set1_epi32(0xffff), 0x28);
+    } else {
+        r = _mm512_and_si512(sr_bits(key, index), _mm512_set1_epi32(0xffff));
+    }
+    __m512i u = _mm512_castps_si512(x);
+    __m512i h = _mm512_add_epi32(u, r);
+    /* NaN: (bits >> 16) | 0x40, a quiet NaN */
+    return _mm512_mask_or_epi32(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), u,
+                                _mm512_set1_epi32(0x00400000));
+}
+
+/* The high halves of sixteen 32-bit lanes as sixteen 16-bit values. */
+INLINE __m256i high_halves(__m512i h)
+{
+#if OFF_A8_VBMI /* one vpermw (AVX-512 BW) instead of a shift and a two-uop vpmovdw */
+    const __m512i odd = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, h));
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16));
+#endif
 }
 
 /* The map values of sixteen codes, through a gather. */
@@ -65,20 +104,26 @@ INLINE void lookup64(const uint8_t (*planes)[256], __m512i c, __m512 out[4])
 
 /* The nearest codes of sixteen values: off__qcode_add lane by lane, one gather from code[]
  * (adam8_internal.h) and one add; tab is the map's code[] less OFF_QC_LO entries, so the
- * clamped bits' high half indexes it directly. */
+ * clamped bits' high half indexes it directly. Only the lower clamp is applied: the values
+ * searched are x * (1/absmax) with |x| <= absmax, and absmax * RN(1/absmax) <= 1 + 2^-24
+ * rounds to at most 1 + 2^-23, whose high half 0x3f80 is 1.0's: the same entry, and its low
+ * half never carries (that bucket holds no midpoint), so the upper clamp never changes a code. */
 INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 {
     __m512i u = _mm512_castps_si512(x), a;
     if (map == OFF_QMAP_UNSIGNED) { /* a negative x (its bits < 0 as an int) codes as +0 */
         a = _mm512_max_epi32(u, _mm512_set1_epi32(0x34000000));
-        a = _mm512_min_epi32(a, _mm512_set1_epi32(0x3f800000));
     } else {
+#if OFF_A8_VBMI
+        /* sign(x) * max(|x|, 2^-23) in one vrangeps (imm 0b0111: larger magnitude, x's sign) */
+        a = _mm512_castps_si512(_mm512_range_ps(x, _mm512_set1_ps(0x1p-23f), 0x7));
+#else
         a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-        a = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32(0x34000000)),
-                             _mm512_set1_epi32(0x3f800000));
-        /* |x| clamped with x's sign, then complemented where negative */
+        a = _mm512_max_epu32(a, _mm512_set1_epi32(0x34000000));
+        /* |x| clamped with x's sign */
         a = _mm512_ternarylogic_epi32(a, u, _mm512_set1_epi32((int)0x80000000u), 0xf8);
-        a = _mm512_xor_si512(a, _mm512_srai_epi32(a, 31));
+#endif
+        a = _mm512_xor_si512(a, _mm512_srai_epi32(a, 31)); /* complemented where negative */
     }
     __m512i r = _mm512_add_epi32(_mm512_i32gather_epi32(_mm512_srli_epi32(a, 16), tab, 4), a);
 #if OFF_A8_VBMI
@@ -93,23 +138,28 @@ INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
 #endif
 }
 
-/* Running absmax and non-finite lanes of live lanes of x (exact in any order: max). */
-INLINE void track(__m512 x, __mmask16 live, __m512 *amax, __mmask16 *bad)
+/* Running max of the live lanes' |x| bits: for floats of one sign the integer order is the
+ * float order, and every non-finite |x| (inf 0x7f800000, NaN above) is above every finite one,
+ * so one integer max tracks both the absmax and whether a lane was non-finite (two uops, where
+ * a float max and a separate non-finite compare took four). */
+INLINE void track(__m512 x, __mmask16 live, __m512i *amax)
 {
-    __m512 a = _mm512_abs_ps(x);
-    *bad |= _mm512_mask_cmp_ps_mask(live, a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
-    *amax = _mm512_mask_max_ps(*amax, live, *amax, a);
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    *amax = _mm512_mask_max_epu32(*amax, live, *amax, a);
 }
 
-/* A block's stored scale from its tracked absmax (NaN when poisoned, 0 when flushed), and in
- * *inv the factor its values are multiplied by before the search; as off__quant_scalar. */
-INLINE float block_scale(__m512 amax, __mmask16 bad, float *inv)
+/* A block's stored scale from its tracked |x| bits (NaN when poisoned, 0 when flushed), and in
+ * *inv the factor its values are multiplied by before the search; as off__quant_scalar.
+ * *bad: whether a value was non-finite (poisoned). */
+INLINE float block_scale(__m512i amax, int *bad, float *inv)
 {
-    if (bad) {
+    uint32_t top = _mm512_reduce_max_epu32(amax);
+    *bad = top > 0x7f7fffffu;
+    if (*bad) {
         *inv = 0.0f;
         return off__bits_f32(0x7fc00000u);
     }
-    float absmax = _mm512_reduce_max_ps(amax);
+    float absmax = off__bits_f32(top);
     *inv = off__inv_scale(absmax);
     return *inv == 0.0f ? 0.0f : absmax;
 }
@@ -139,7 +189,8 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
  * mb/vb and the random bits use element index `index`. */
 INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, const void *grad,
                    int grad_dtype, __m512 mq, __m512 vq, void *out, int out_dtype,
-                   long long i, unsigned long long index, __m512 sm, __m512 sv, float *mb, float *vb,
+                   long long i, unsigned long long index, __m512i kb, uint32_t khi, __m512 sm,
+                   __m512 sv, float *mb, float *vb,
                    __m512 *mo, __m512 *vo)
 {
     const off__adam_consts *k = &c->a;
@@ -167,7 +218,7 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
     *vo = v;
     __m256i h = _mm256_setzero_si256();
     if (master_dtype == OFF_DTYPE_BF16) {
-        h = to_bf16_sr(p, c->key, index);
+        h = high_halves(bf16_sr_hi(p, c->key, index, kb, khi));
         _mm256_storeu_si256((__m256i *)((uint16_t *)master + i), h);
         p = widen(h, OFF_DTYPE_BF16);
     } else {
@@ -181,28 +232,6 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
     else if (out_dtype == OFF_DTYPE_FP16)
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
                             _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-/* Software prefetch of one block's streams `ahead` elements on (the hardware prefetcher alone
- * leaves the core waiting on seven streams). */
-INLINE void prefetch_block(const off__adam8_io *io, size_t psz, size_t gsz, size_t osz, int out_dtype,
-                           long long s, long long len)
-{
-    for (long long k = 0; k < len; k += 64) {
-        const char *m = (const char *)io->master + (size_t)(s + k) * psz;
-        const char *g = (const char *)io->grad + (size_t)(s + k) * gsz;
-        for (size_t b = 0; b < 64 * psz; b += 64)
-            _mm_prefetch(m + b, _MM_HINT_T0);
-        for (size_t b = 0; b < 64 * gsz; b += 64)
-            _mm_prefetch(g + b, _MM_HINT_T0);
-        if (out_dtype != OFF_DTYPE_NONE) {
-            const char *o = (const char *)io->out + (size_t)(s + k) * osz;
-            for (size_t b = 0; b < 64 * osz; b += 64)
-                _mm_prefetch(o + b, _MM_HINT_T0);
-        }
-        _mm_prefetch((const char *)(io->m_codes + s + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(io->v_codes + s + k), _MM_HINT_T0);
-    }
 }
 
 /* One pending block's requantisation: its codes are written while the next block updates, so
@@ -223,9 +252,13 @@ INLINE void encode_pending(const struct pending *q, long long j)
         encode16(OFF_QMAP_UNSIGNED, q->v + j, q->vc + j, q->inv_v);
 }
 
-INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_dtype,
+INLINE void run(const off__adam8_consts *cp, const off__adam8_io *iop, int master_dtype,
                 int grad_dtype, int out_dtype, long long begin, long long end)
 {
+    /* Local copies: stores through the buffers could alias *cp and *iop as far as the compiler
+     * knows, which made it reload every constant and pointer after each store. */
+    const off__adam8_consts cl = *cp, *c = &cl;
+    const off__adam8_io iol = *iop, *io = &iol;
     float mb[2][OFF_ADAM8_MAX_BLOCK], vb[2][OFF_ADAM8_MAX_BLOCK];
     size_t psz = master_dtype == OFF_DTYPE_FP32 ? 4 : 2, gsz = grad_dtype == OFF_DTYPE_FP32 ? 4 : 2;
     size_t osz = out_dtype == OFF_DTYPE_FP32 ? 4 : 2;
@@ -236,25 +269,30 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
         long long blk = s / c->block;
         float *mcur = mb[cur], *vcur = vb[cur];
         __m512 sm = _mm512_set1_ps(io->m_absmax[blk]), sv = _mm512_set1_ps(io->v_absmax[blk]);
-        long long ahead = s + OFF_ADAM8_PREFETCH;
-        if (ahead < end)
-            prefetch_block(io, psz, gsz, osz, out_dtype, ahead,
-                           end - ahead < c->block ? end - ahead : c->block);
-        __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps(), m, v;
-        __mmask16 bm = 0, bv = 0;
+        uint32_t khi = (uint32_t)((unsigned long long)(io->index_base + s) >> 32);
+        __m512i kb = _mm512_set1_epi32((int)off__mix32(c->key ^ khi));
+#if !OFF_A8_VBMI /* the VBMI loop prefetches as it goes */
+        for (long long k = s + OFF_ADAM8_PREFETCH; k < end && k < s + OFF_ADAM8_PREFETCH + len; k += 64)
+            off__adam8_prefetch64(io, psz, gsz, osz, out_dtype, k);
+#endif
+        __m512i am = _mm512_setzero_si512(), av = _mm512_setzero_si512();
+        __m512 m, v;
+        int bm, bv;
         long long j = 0;
 #if OFF_A8_VBMI
         for (; j + 64 <= len; j += 64) {
             __m512 mq[4], vq[4];
+            if (s + j + OFF_ADAM8_PREFETCH < end)
+                off__adam8_prefetch64(io, psz, gsz, osz, out_dtype, s + j + OFF_ADAM8_PREFETCH);
             lookup64(off__qt.planes[OFF_QMAP_SIGNED], _mm512_loadu_si512(io->m_codes + s + j), mq);
             lookup64(off__qt.planes[OFF_QMAP_UNSIGNED], _mm512_loadu_si512(io->v_codes + s + j), vq);
             for (int u = 0; u < 4; u++) {
                 long long i = s + j + 16 * u;
                 step16(c, io->master, master_dtype, io->grad, grad_dtype, mq[u], vq[u], io->out,
-                       out_dtype, i, (unsigned long long)(io->index_base + i), sm, sv,
+                       out_dtype, i, (unsigned long long)(io->index_base + i), kb, khi, sm, sv,
                        mcur + j + 16 * u, vcur + j + 16 * u, &m, &v);
-                track(m, 0xffff, &am, &bm);
-                track(v, 0xffff, &av, &bv);
+                track(m, 0xffff, &am);
+                track(v, 0xffff, &av);
                 if (j + 16 * u < prev.len)
                     encode_pending(&prev, j + 16 * u);
             }
@@ -265,9 +303,9 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             step16(c, io->master, master_dtype, io->grad, grad_dtype,
                    lookup16(off__qt.values[OFF_QMAP_SIGNED], io->m_codes + i),
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], io->v_codes + i), io->out, out_dtype,
-                   i, (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
-            track(m, 0xffff, &am, &bm);
-            track(v, 0xffff, &av, &bv);
+                   i, (unsigned long long)(io->index_base + i), kb, khi, sm, sv, mcur + j, vcur + j, &m, &v);
+            track(m, 0xffff, &am);
+            track(v, 0xffff, &av);
             if (j < prev.len)
                 encode_pending(&prev, j);
         }
@@ -283,17 +321,17 @@ INLINE void run(const off__adam8_consts *c, const off__adam8_io *io, int master_
             memcpy(vc, io->v_codes + i, (size_t)k);
             step16(c, p, master_dtype, g, grad_dtype, lookup16(off__qt.values[OFF_QMAP_SIGNED], mc),
                    lookup16(off__qt.values[OFF_QMAP_UNSIGNED], vc), o, out_dtype, 0,
-                   (unsigned long long)(io->index_base + i), sm, sv, mcur + j, vcur + j, &m, &v);
+                   (unsigned long long)(io->index_base + i), kb, khi, sm, sv, mcur + j, vcur + j, &m, &v);
             __mmask16 live = (__mmask16)((1u << k) - 1u);
-            track(m, live, &am, &bm);
-            track(v, live, &av, &bv);
+            track(m, live, &am);
+            track(v, live, &av);
             memcpy((char *)io->master + (size_t)i * psz, p, (size_t)k * psz);
             if (out_dtype != OFF_DTYPE_NONE)
                 memcpy((char *)io->out + (size_t)i * osz, o, (size_t)k * osz);
         }
         float inv_m, inv_v;
-        io->m_absmax[blk] = block_scale(am, bm, &inv_m);
-        io->v_absmax[blk] = block_scale(av, bv, &inv_v);
+        io->m_absmax[blk] = block_scale(am, &bm, &inv_m);
+        io->v_absmax[blk] = block_scale(av, &bv, &inv_v);
         if (bm)
             memset(io->m_codes + s, off__qt.zero_code[OFF_QMAP_SIGNED], (size_t)len);
         if (bv)

@@ -216,6 +216,18 @@ def test_level_equals_scalar_hypothesis(level, n, offset, block, master, grad, o
     assert same_run(run(state, grads, simd=level, **kw), run(state, grads, simd="scalar", **kw))
 
 
+@pytest.mark.parametrize("level", SIMD)
+@pytest.mark.parametrize("index_base", [2**32 - 256, 2**32 - 300, 2**32 - 7, 2**33 - 1000])
+def test_bf16_master_bits_across_a_2_to_32_index_boundary(level, index_base):
+    # the SIMD kernels hash each block from its index's high word: the word changing inside a
+    # block, inside a group of 16 lanes or at a block edge must give the scalar kernel's bits
+    n = 2048
+    state = make_state(n, master=torch.bfloat16, seed=5)
+    grads = grads_for(n, 2, torch.float32, seed=6)
+    kw = dict(index_base=index_base, out_dtype=torch.bfloat16)
+    assert same_run(run(state, grads, simd=level, **kw), run(state, grads, simd="scalar", **kw))
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_threads_and_slices_never_change_a_bit(level):
     n, block = 300_000 + 77, 256
