@@ -115,8 +115,10 @@ INLINE __m128i qcode16(int map, const uint32_t *tab, __m512 x)
         a = _mm512_max_epi32(u, _mm512_set1_epi32(0x34000000));
     } else {
 #if OFF_A8_VBMI
-        /* sign(x) * max(|x|, 2^-23) in one vrangeps (imm 0b0111: larger magnitude, x's sign) */
-        a = _mm512_castps_si512(_mm512_range_ps(x, _mm512_set1_ps(0x1p-23f), 0x7));
+        /* sign(x) * max(|x|, 2^-23) in one vrangeps: imm bits 1:0 = 11 (larger magnitude), bits
+         * 3:2 = 00 (the sign of the first source, x; 01 would take the selected value's, so an x
+         * below 2^-23, -0.0 too, would come out positive) */
+        a = _mm512_castps_si512(_mm512_range_ps(x, _mm512_set1_ps(0x1p-23f), 0x3));
 #else
         a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
         a = _mm512_max_epu32(a, _mm512_set1_epi32(0x34000000));

@@ -269,14 +269,14 @@ class ChunkStore:
             me = threading.get_ident()
             if (left := rec.pin_threads.pop(me, 0) - 1) > 0:
                 rec.pin_threads[me] = left
-            if not any(rec.pins.values()):
+            if not any(rec.pins.values()):      # a pin taken on one thread may be let go on another
                 rec.pins.clear()
+                rec.pin_threads.clear()
                 self._set_state(rec, ChunkState.HOLD)
             self.released.notify_all()
 
     def start_writeback(self, key: ChunkKey) -> Move | None:
-        """Start writing ``key``'s current copy from the lowest memory tier to NVMe, asynchronously,
-        so that evicting it later costs nothing. None when there is nothing to do."""
+        """Start writing ``key``'s current copy down to NVMe now, so that evicting it later costs nothing."""
         with self.lock:
             return self.traffic.start_writeback(self._rec(key))
 

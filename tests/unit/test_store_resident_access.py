@@ -53,4 +53,5 @@ def test_a_pin_released_on_another_thread_leaves_no_thread_count():
     rec = store.records[key]
     assert rec.pins["device"] == 1 and dict(rec.pin_threads) == {threading.get_ident(): 2}
     store.release(key, "device")
-    assert rec.state is ChunkState.HOLD and not rec.pins
+    # every pin is gone, whichever thread let which go: no thread counts as holding one any more
+    assert rec.state is ChunkState.HOLD and not rec.pins and not rec.pin_threads
