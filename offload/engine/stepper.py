@@ -146,9 +146,11 @@ class ChunkAdam:
                 out.append([start, end, h, step])
         return [tuple(r) for r in out if r is not None]
 
-    def prefetch(self, c: int) -> None:
-        """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous)."""
-        kinds = ["grad", "master" if self.params.has_master else "param", *self.params.precision.state_kinds()]
+    def prefetch(self, c: int, *, grad: bool = True) -> None:
+        """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous); ``grad=False``
+        leaves its gradient where it is (backward has not completed it yet)."""
+        master = "master" if self.params.has_master else "param"
+        kinds = ["grad"] * grad + [master, *self.params.precision.state_kinds()]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
 
@@ -228,8 +230,10 @@ class ChunkAdam:
             self._worker.start()
         # Chunk c's own inputs were asked for when its gradients completed (ReadyGradients.take);
         # these are the next ones backward will complete.
+        # Their gradients are not final yet (under accumulation they hold partial sums backward
+        # will add to): a copy taken now would be thrown away as stale, so only their state comes.
         for ahead in range(c - 1, max(-1, c - 1 - self.read_ahead), -1):
-            self.prefetch(ahead)      # backward completes chunks in reverse order
+            self.prefetch(ahead, grad=False)      # backward completes chunks in reverse order
         with self._progress:
             self._pending.add(c)
             self._idle_since = None
