@@ -20,6 +20,8 @@ embedding group), which the stages' engines do not do yet.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +197,17 @@ def _refuse_unreproduced(config) -> None:
                                             f"applies it outside its layers); only {neutral} can be cut")
 
 
+def _refuse_layered_rotary(rotary) -> None:
+    # The stages compute one rotary table, rotary_emb(x, position_ids), for every layer; a family
+    # whose table depends on more (Gemma 3: each layer type's own) would fail inside torch later.
+    extra = [name for name, p in list(inspect.signature(rotary.forward).parameters.items())[2:]
+             if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if extra:
+        raise ConfigError("rotary_emb", type(rotary).__name__,
+                          f"takes {', '.join(extra)} beside (x, position_ids): rotary embeddings per layer type "
+                          "are not reproduced by pipeline stages")
+
+
 def split_hf(model, stages: int, *, balance="params", probe: tuple[int, int] = (1, 128)) -> list[HFStage]:
     """An HF causal LM of the LLaMA family cut into ``stages`` balanced stage modules (``balance``
     and ``probe``: as ``split_llama``'s)."""
@@ -206,6 +219,7 @@ def split_hf(model, stages: int, *, balance="params", probe: tuple[int, int] = (
                           ".norm, .rotary_emb and model.lm_head)")
     _refuse_tied(inner.embed_tokens, model.lm_head)
     _refuse_unreproduced(model.config)
+    _refuse_layered_rotary(inner.rotary_emb)
     costs = [_params(inner.embed_tokens), *(_params(layer) for layer in inner.layers),
              _params(inner.norm, model.lm_head)]
     n = len(costs)

@@ -68,3 +68,18 @@ def test_a_scaled_granite_is_refused_not_cut_without_its_scales(field, value):
     model = transformers.GraniteForCausalLM(cfg)
     with pytest.raises(ConfigError, match=f"{field}={value}: is not reproduced by pipeline stages"):
         split_hf(model, 2)
+
+
+def test_a_model_with_rotary_embeddings_per_layer_type_is_refused_by_name():
+    """Gemma 3 computes a rotary table per layer type (sliding / full attention); the stages make
+    one for all layers, so the model is refused when cut, not failed inside torch at the first batch."""
+    config = getattr(transformers, "Gemma3TextConfig", None)
+    if config is None:
+        pytest.skip("this transformers has no Gemma 3")
+    base = tiny_config("llama").to_diff_dict()
+    cfg = config(vocab_size=256, hidden_size=base["hidden_size"], intermediate_size=base["intermediate_size"],
+                 num_hidden_layers=2, num_attention_heads=base["num_attention_heads"],
+                 num_key_value_heads=base["num_key_value_heads"], head_dim=16, tie_word_embeddings=False)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with pytest.raises(ConfigError, match="rotary_emb.*layer_type"):
+        split_hf(model, 2)
