@@ -153,6 +153,14 @@ class ChunkAdam:
         kinds = ["grad"] * grad + [master, *self.params.precision.state_kinds()]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
+        if not grad:
+            # What soon=True does for it, without the download: its update comes soon, so it is
+            # not written down to make room meanwhile (CI saw a waiting gradient go to NVMe).
+            key = ("grad", c)
+            with self.store.lock:
+                rec = self.store.records.get(key)
+                if rec is not None and rec.state is not ChunkState.FREE:
+                    self.store.policy.hint_soon(key)
 
     def update(self, c: int, runs, grad_scale: float) -> None:
         if not runs:
