@@ -18,11 +18,10 @@ import gc
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import offload
+from tests.helpers.checkpointed_stack import Stack as CheckpointedStack
 
 pytestmark = pytest.mark.gpu
 
@@ -30,31 +29,8 @@ VOCAB, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 256, 1024, 16, 8, 512, 3
 LAYER_INPUT = BATCH * SEQ * HIDDEN * 4      # bytes of one block's fp32 input (16 MiB)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, reentrant: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.head = nn.Linear(HIDDEN, VOCAB)
-        self.reentrant = reentrant
-
-    def forward(self, features, targets):
-        x = self.proj(features)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.reentrant)
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+def stack(reentrant: bool) -> nn.Module:
+    return CheckpointedStack(reentrant, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS)
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +61,7 @@ def train(reentrant: bool, mode: str):
     # explicit host budgets keep the pinned registration small.
     cfg = offload.OffloadConfig(device="cuda", dtype="fp32", device_budget="2GiB", cpu_budget="3GiB",
                                 activation_offload=mode, activation_budget="1GiB", activation_prefetch=2)
-    model = offload.wrap(Stack(reentrant), cfg)
+    model = offload.wrap(stack(reentrant), cfg)
     opt = offload.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(BATCH, SEQ, HIDDEN, generator=gen).cuda(),

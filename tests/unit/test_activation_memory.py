@@ -17,11 +17,10 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import offload
+from tests.helpers.checkpointed_stack import Stack as CheckpointedStack
 from offload.engine import build
 from tests.helpers.live_bytes import LiveBytes
 from tests.helpers.sim_streams import GatedStreams
@@ -32,33 +31,8 @@ LAYER_INPUT = BATCH * SEQ * HIDDEN * 4      # bytes of one block's fp32 input (6
 PREFETCH = 2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    """The GPU check's model, small: checkpointed residual MLP blocks between two projections."""
-
-    def __init__(self, reentrant: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.head = nn.Linear(HIDDEN, VOCAB)
-        self.reentrant = reentrant
-
-    def forward(self, features, targets):
-        x = self.proj(features)
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.reentrant)
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+def stack(reentrant: bool) -> nn.Module:
+    return CheckpointedStack(reentrant, vocab=VOCAB, hidden=HIDDEN, layers=LAYERS)
 
 
 def config(mode: str) -> offload.OffloadConfig:
@@ -77,7 +51,7 @@ def peak_live_bytes(reentrant: bool, mode: str) -> tuple[int, dict]:
     back, LayerNorm outputs, their gradients) alive at once in a forward and backward after the
     first step, and that step's activation statistics. The rest (weight gradients, chunks) is left
     out: when those go depends on the optimizer thread's progress."""
-    model = offload.wrap(Stack(reentrant), config(mode))
+    model = offload.wrap(stack(reentrant), config(mode))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     peaks, acts = [], None
     try:
@@ -118,7 +92,7 @@ def test_parked_layer_inputs_lower_the_peak_of_live_device_bytes(reentrant, stre
 
 
 def run_and_drop(mode: str, close: bool) -> list[weakref.ref]:
-    model = offload.wrap(Stack(False), config(mode))
+    model = offload.wrap(stack(False), config(mode))
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     for features, targets in data()[:2]:
         model(features, targets).backward()
