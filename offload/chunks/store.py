@@ -69,8 +69,8 @@ class ChunkStore:
         """Add chunks ``(kind, i)`` of ``numels[i]`` elements of ``dtype``; reserves NVMe slots.
 
         Indices may skip (frozen chunks have no gradient or optimizer state) and sizes may differ
-        (an oversized parameter's own chunk). ``nvme=False``: no slots (chunks another rank owns,
-        held only while pinned, then released: they are never written down)."""
+        (an oversized parameter's own chunk). ``nvme=False``: no slots, never written down (chunks
+        another rank owns, released once used; the 8-bit moments' scales, held in memory throughout)."""
         with self.lock:
             keys = [(kind, i) for i in numels]
             if any(k in self.records for k in keys):

@@ -330,7 +330,7 @@ class ChunkTraffic:
         """Start writing ``rec``'s current copy from the lowest memory tier to NVMe, asynchronously,
         so that evicting it later costs nothing. None when there is nothing to do."""
         low = self.lowest_memory
-        if "nvme" not in self.tiers or rec.nvme_valid or rec.busy or low not in rec.buffers:
+        if "nvme" not in self.tiers or rec.slot is None or rec.nvme_valid or rec.busy or low not in rec.buffers:
             return None
         return self.start_move(rec, low, "nvme")
 

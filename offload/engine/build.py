@@ -113,7 +113,8 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
     largest = max(trainable, default=0)
     # Counted by the state's precision (8-bit moments, a bf16 master): the same as min_cpu_bytes at fp32.
     update = min_cpu_bytes(largest, e) if precision is None else precision.update_bytes(largest)
-    need_cpu = max(update, piece(layout.largest_chunk) * e)
+    resident = 0 if precision is None else precision.resident_bytes(trainable)
+    need_cpu = max(update, piece(layout.largest_chunk) * e) + resident
     groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "
               f"chunks being reduce-scattered" if sharding else "")
     why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
@@ -128,7 +129,9 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
     if cpu_budget < need_cpu:
         raise ConfigError("cpu_budget", cpu_budget,
                           f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
-                          f"needs (gradient, master, exp_avg, exp_avg_sq, parameters{at}): {why}")
+                          f"needs (gradient, master, exp_avg, exp_avg_sq, parameters{at})"
+                          + (f" beside the block scales of every chunk, held in memory "
+                             f"({format_bytes(resident)})" if resident else "") + f": {why}")
     return layout
 
 
@@ -212,7 +215,8 @@ def register_optimizer_state(store: ChunkStore, params, config: OffloadConfig, d
     for kind, kind_dtype in precision.state_kinds().items():
         # A scale kind holds one fp32 per block of the piece (pieces are whole blocks: the quantum).
         block = precision.kind_block(kind)
-        store.register_chunks(kind, {c: -(-n // block) for c, n in pieces.items()}, kind_dtype)
+        store.register_chunks(kind, {c: -(-n // block) for c, n in pieces.items()}, kind_dtype,
+                              nvme=kind not in precision.resident_kinds())
     persistent = sum(r.nbytes for r in store.records.values() if r.key[0] in PERSISTENT_KINDS)
     return config.nvme_paths is not None and persistent > memory_bytes
 

@@ -85,7 +85,8 @@ class Memory:
     """Where one rank's state sits (bytes)."""
 
     per_elem: dict
-    """Bytes per element of each kind: {"params", "grads", "master", "exp_avg", "exp_avg_sq"}."""
+    """Bytes per element of each kind: {"params", "grads", "master", "exp_avg", "exp_avg_sq"} (and
+    "scales" under 8-bit moments: held in host memory, never spilled)."""
     total: dict
     """Bytes of each kind in the rank's chunks (gradients, master and moments of trainable ones only)."""
     all_params: int
@@ -96,7 +97,8 @@ class Memory:
     device_min: int
     """The engine's smallest device budget for this layout."""
     cpu_min: int
-    """The engine's smallest CPU budget: one chunk of every kind for Adam."""
+    """The engine's smallest CPU budget: one chunk of every kind for Adam (and every chunk's
+    8-bit block scales, which stay in host memory)."""
     working: int
     """CPU room kept for Adam's chunk sets."""
     spill: dict
@@ -144,12 +146,15 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: di
     # the rank's pieces pass through the CPU tier, never a whole chunk (the device gathers them)
     # the engine's minimum for fp32 state is the same sum; other precisions: their own bytes
     one_set = min_cpu_bytes(chunks.largest_trained, e) if per_elem == _fp32_kinds(e) else set_bytes
-    cpu_min = max(one_set, chunks.largest_piece * e)
-    working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     lower = dict(total)            # what lives below the device
+    resident = lower.pop("scales", 0)        # 8-bit block scales: in host memory throughout, no slot
+    cpu_min = max(one_set, chunks.largest_piece * e) + resident
+    working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     # consumed by Adam as they arrive, unless held whole
     lower["grads"] = total["grads"] if hold_grads else 0
-    cpu, spill = _split(lower, STATE_KINDS, cpu_budget - working)
+    cpu, spill = _split(lower, STATE_KINDS, cpu_budget - working - resident)
+    if resident:
+        cpu["scales"] = resident
     if not nvme_tier:
         # the CPU tier is the bottom: everything must be held in RAM (the device's parameters are copies)
         spill = {k: 0 for k in spill}
@@ -157,8 +162,8 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: di
              "cpu": {"bytes": sum(cpu.values()) + working + placed.area_bytes, "working": working, **cpu,
                      "activations": placed.area_bytes},
              "nvme": {"bytes": sum(spill.values()) + placed.spill_bytes, **spill, "activations": placed.spill_bytes}}
-    # a slot for every chunk of every kind, and the activations' spill space
-    nvme_needed = state_bytes + placed.spill_bytes if nvme_tier else 0
+    # a slot for every chunk of every kind but the resident scales, and the activations' spill space
+    nvme_needed = state_bytes - resident + placed.spill_bytes if nvme_tier else 0
     return Memory(per_elem=per_elem, total=total, all_params=all_params, dev_params=dev_params,
                   device_min=device_min, cpu_min=cpu_min, working=working, spill=spill, tiers=tiers,
                   nvme_needed=nvme_needed)

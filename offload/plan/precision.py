@@ -3,7 +3,9 @@ weights and of each Adam moment costs in RAM, on NVMe and in traffic.
 
 * Moments (``exp_avg``, ``exp_avg_sq``): "fp32" 4 B each, "bf16" 2 B, "8bit" block-wise dynamic
   quantisation (Dettmers et al. 2022, as bitsandbytes' AdamW8bit): a uint8 code per element and
-  one fp32 absmax per block of ``QUANT_BLOCK`` elements, 1 + 4/256 B.
+  one fp32 absmax per block of ``QUANT_BLOCK`` elements, 1 + 4/256 B. The scales are a kind of
+  their own, ``scales`` (2 x 4/256 B), held in host memory throughout as the engine holds them
+  (``offload.engine.precision``): never on NVMe, never in its traffic.
 * Master: "fp32" 4 B — none when the compute dtype is fp32 (the parameters are the master);
   "bf16" 2 B (stochastic rounding) — none when the compute dtype is bf16 (the compute parameters
   are the master: one chunk, read and rewritten by the update).
@@ -51,9 +53,13 @@ def master_bytes(master: str, dtype: str) -> int:
 
 def state_per_elem(dtype: str, dtype_bytes: int, state: str, master: str) -> dict:
     """Bytes per element of each kind of chunk: {"params", "grads", "master", "exp_avg",
-    "exp_avg_sq"} (gradients stay fp32: the engine accumulates and reduces them in fp32)."""
+    "exp_avg_sq"}, and for 8-bit moments "scales" (the codes' kinds then count 1 B each); gradients
+    stay fp32: the engine accumulates and reduces them in fp32."""
     m = moment_bytes(state)
-    return {"params": dtype_bytes, "grads": 4, "master": master_bytes(master, dtype), "exp_avg": m, "exp_avg_sq": m}
+    out = {"params": dtype_bytes, "grads": 4, "master": master_bytes(master, dtype)}
+    if state != "8bit":
+        return {**out, "exp_avg": m, "exp_avg_sq": m}
+    return {**out, "exp_avg": 1, "exp_avg_sq": 1, "scales": 2 * (m - 1)}
 
 
 def describe(state: str, master: str) -> str:

@@ -72,7 +72,8 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
     for label, value, key in rows:
         lines.append(f"  {label:<16} {value:<36} {sources.get(key, '')}".rstrip())
 
-    kinds = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "activations", "working"]
+    kinds = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "scales", "activations", "working"]
+    scales = tiers["cpu"].get("scales", 0)
     dev_name = "device (GPU)" if gpu else "device (RAM)"
     lines += ["", "bytes per tier and kind",
               f"  {'':<12} {dev_name:>14} {'cpu':>14} {'nvme':>14}"]
@@ -91,7 +92,8 @@ def format_plan(p: Plan, sources: dict | None = None) -> str:
               f"{format_size(b['cpu_min_bytes'])})",
               "", f"NVMe space needed: {format_size(p.nvme_bytes_needed)} "
               f"(a slot for every chunk of every kind: {format_size(b['state_bytes'])}, "
-              f"{b['state_bytes_per_param']:.4g} B/param incl. fp32 gradients and padding)"]
+              f"{b['state_bytes_per_param']:.4g} B/param incl. fp32 gradients and padding"
+              + (f"; less the 8-bit block scales, {format_size(scales)}, held in RAM" if scales else "") + ")"]
 
     bps, size = p.bytes_per_step, format_size
     lines += ["", "bytes moved per step",

@@ -118,3 +118,48 @@ def test_a_parameter_without_gradient_sharing_a_block_keeps_its_values():
     scale = float(state[2].max().clamp(min=before_m.abs().max()))
     assert (after_m[512:] == before_m[512:]).all()          # blocks the run never touched: not requantised
     assert (after_m[300:512] - before_m[300:512]).abs().max() <= gap * scale
+
+
+def test_block_scales_are_resident_and_counted_in_the_cpu_minimum():
+    """The 8-bit moments' scale kinds are held in host memory throughout (no NVMe slots): the CPU
+    budget must hold every chunk's scales beside one chunk's update, and a budget that holds only
+    the update is refused naming the field and the scales."""
+    from offload.engine.build import build_layout
+
+    q = StatePrecision.of(OffloadConfig(dtype="bf16", optimizer_state="8bit", master="bf16"), torch.bfloat16)
+    assert q.resident_kinds() == {"exp_avg_absmax", "exp_avg_sq_absmax"}
+    assert q.resident_bytes([65536, 300]) == 2 * 4 * (256 + 2)
+    assert StatePrecision.of(OffloadConfig(), torch.bfloat16).resident_kinds() == frozenset()
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(65536))) for i in range(64)]
+    config = OffloadConfig(dtype="bf16", optimizer_state="8bit", master="bf16", chunk_size=65536)
+    update, scales = q.update_bytes(65536), q.resident_bytes([65536] * 64)
+    build_layout(named, {}, config, torch.bfloat16, 1 << 30, update + scales, None, q)
+    with pytest.raises(ConfigError, match=r"cpu_budget.*block scales of every chunk"):
+        build_layout(named, {}, config, torch.bfloat16, 1 << 30, update + scales - 1, None, q)
+
+
+def test_a_chunk_without_an_nvme_slot_is_never_written_down(disk_tmp):
+    """What keeps the scales in memory: a chunk registered without a slot is neither evicted to make
+    room nor written back ahead of an eviction; the slotted chunks make the room instead."""
+    from offload import AioConfig
+    from offload.chunks import ChunkStore
+    from offload.scheduler import LRUPolicy
+    from offload.tiers import MemoryTier, NvmeTier
+
+    n = 1024
+    store = ChunkStore([MemoryTier("cpu", 3 * n * 4, aligned=True),
+                        NvmeTier([str(disk_tmp)], AioConfig(block_size=4096, queue_depth=8))], LRUPolicy())
+    try:
+        (scale,) = store.register_chunks("exp_avg_absmax", {0: n}, torch.float32, nvme=False)
+        codes = store.register("exp_avg", 4, n * 4, torch.uint8)
+        store.initialize(scale, "cpu", lambda v: v.fill_(7.0))
+        assert store.start_writeback(scale) is None
+        for key in codes:                        # four chunks through a tier that holds three
+            store.initialize(key, "cpu", lambda v: v.fill_(3))
+        store.wait_idle()
+        rec = store.records[scale]
+        assert rec.slot is None and "cpu" in rec.buffers and not rec.nvme_valid
+        assert torch.equal(store.view(scale, "cpu"), torch.full((n,), 7.0))
+        assert sum(1 for k in codes if "cpu" not in store.records[k].buffers) == 2
+    finally:
+        store.tiers["nvme"].close()
