@@ -154,13 +154,9 @@ class ChunkAdam:
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
         if not grad:
-            # What soon=True does for it, without the download: its update comes soon, so it is
-            # not written down to make room meanwhile (CI saw a waiting gradient go to NVMe).
-            key = ("grad", c)
-            with self.store.lock:
-                rec = self.store.records.get(key)
-                if rec is not None and rec.state is not ChunkState.FREE:
-                    self.store.policy.hint_soon(key)
+            # Its update comes soon: not written down to make room meanwhile (CI saw a waiting
+            # gradient go to NVMe), nor downloaded while backward still fills it.
+            self.store.hint_soon(("grad", c))
 
     def update(self, c: int, runs, grad_scale: float) -> None:
         if not runs:
