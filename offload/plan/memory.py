@@ -201,7 +201,9 @@ def fit_problems(hw: Hardware, po: Policy, mem: Memory, chunks: RankChunks, plac
             f"CPU budget {format_size(cpu_budget)} is below one chunk of every kind "
             f"({format_size(mem.cpu_min)}: {chunks.largest_trained:,} elements x {sum(mem.per_elem.values()):.4g} B"
             + ("" if world == 1 else ", this rank's piece of the largest trainable chunk") +
-            ") that Adam needs at once")
+            ") that Adam needs at once"
+            + (f", beside the 8-bit block scales of every chunk, held in RAM ({format_size(mem.total['scales'])})"
+               if mem.total.get("scales") else ""))
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:
         problems.append(
             f"GPU needs {format_size(device_budget + act_total + GPU_WORKSPACE)} (device budget "

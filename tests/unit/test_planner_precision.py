@@ -66,6 +66,21 @@ def test_8bit_moments_halve_the_100b_nvme_term():
     assert small.nvme_bytes_needed == small.breakdown["state_bytes"] - kinds["scales"]
 
 
+def test_8bit_cpu_minimum_counts_every_chunks_scales_held_in_ram():
+    """The engine keeps the 8-bit block scales in host memory: the CPU minimum is one chunk's update
+    plus every chunk's scales, and a refusal says so."""
+    hw = Hardware(gpu_mem=None, cpu_mem=64 << 30, nvme_capacity=1 << 40, nvme_read_gbps=3, nvme_write_gbps=2,
+                  compute_tflops=1, adam_params_per_s=1e9)
+    pol = dict(batch_tokens=2048, device_budget=32 << 20, chunk_size=1 << 18, optimizer_state="8bit", master="bf16")
+    ok = plan("small", hw, Policy(**pol, cpu_budget=64 << 20))
+    scales = ok.breakdown["state_by_kind"]["scales"]
+    trained = ok.breakdown["state_by_kind"]["grads"] // 4        # trainable chunks' elements, padding included
+    assert trained * 8 / QUANT_BLOCK <= scales <= trained * 8 / QUANT_BLOCK + 1
+    assert ok.breakdown["cpu_min_bytes"] > scales
+    low = plan("small", hw, Policy(**pol, cpu_budget=ok.breakdown["cpu_min_bytes"] - 1))
+    assert not low.fits and "8-bit block scales of every chunk, held in RAM" in low.reason
+
+
 PRECISIONS = [("fp32", "fp32"), ("bf16", "fp32"), ("8bit", "fp32"), ("bf16", "bf16"), ("8bit", "bf16")]
 
 
