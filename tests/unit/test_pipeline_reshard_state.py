@@ -122,12 +122,13 @@ def alone(s, others) -> bool:
 
 
 def codes_and_scales(mods) -> dict:
-    """name -> kind -> (its codes, the scales of the blocks it touches)."""
+    """name -> kind -> (its stored codes, the stored scales of the blocks it touches); one
+    process: ``chunks.read`` gives the whole chunk (``read_full`` would dequantise)."""
     out = {}
     for name, (e, s, _) in slots(mods).items():
         a, b = blocks_of(s)
-        out[name] = {k: (e.chunks.read_full(k, s.chunk)[s.offset:s.end].clone(),
-                         e.chunks.read_full(SCALES[k], s.chunk)[a:b].clone()) for k in SIGNED}
+        out[name] = {k: (e.chunks.read(k, s.chunk)[s.offset:s.end].clone(),
+                         e.chunks.read(SCALES[k], s.chunk)[a:b].clone()) for k in SIGNED}
     return out
 
 
@@ -218,8 +219,8 @@ def test_blocks_straddling_other_parameters_requantise_within_half_a_step(tmp_pa
             for s in info.params:
                 used[s.offset:s.end] = True
             for kind, signed in SIGNED.items():
-                codes = e.chunks.read_full(kind, info.index)
-                assert (codes[~used] == zero_code(signed)).all(), (info.index, kind)
+                codes = e.chunks.read(kind, info.index)
+                assert codes.dtype == torch.uint8 and (codes[~used] == zero_code(signed)).all(), (info.index, kind)
     losses = [step(saved, opt, data[2]), step(mods, new_opt, data[2])]
     assert losses[0] == losses[1]               # the parameters themselves moved exactly
 
@@ -234,3 +235,21 @@ def test_another_precision_is_refused_naming_the_field(tmp_path, field, saved_kw
     mods, opt = build(tmp_path, "resumed", 1, 4096, False, target_kw)
     with pytest.raises(ConfigError, match=f"{field}="):
         load_resharded([(m, None) for m in mods], opt, sources)
+
+
+def test_dequantise_quantise_is_not_idempotent_so_aligned_blocks_are_copied():
+    """Why a block that did not move keeps its codes and scale by copy, not by requantising: the
+    signed map has +1.0 but not -1.0, so a block whose largest magnitude is negative dequantises
+    to an absmax below its scale and re-rounds; blocks whose largest element is positive (and
+    every unsigned block) round-trip exactly."""
+    from offload.optim.quantized import dequantize, quantize
+
+    assert qmap(True).max() == 1.0 and qmap(True).min() > -1.0
+    x = torch.linspace(-1.0, 0.5, BLOCK_SIZE) * 1e-3        # the largest magnitude is negative
+    codes, scale = quantize(x, True)
+    again = quantize(dequantize(codes, scale, True), True)
+    assert again[1][0] == scale[0] * -qmap(True).min()       # the scale shrinks: every value moves
+    for signed, y in ((True, -x), (False, x.abs())):
+        codes, scale = quantize(y, signed)
+        again = quantize(dequantize(codes, scale, signed), signed)
+        assert torch.equal(again[0], codes) and torch.equal(again[1], scale)
