@@ -62,3 +62,23 @@ def test_one_process_saved_resumes_in_two_stages_like_the_uninterrupted_run(tmp_
     assert all(r.value["loaded"]["resharded"] for r in resumed)
     assert resumed[1].value["losses"] == whole[0].value["losses"][SAVE_AT:]
     same(merged(resumed), whole[0].value["state"])
+
+
+@pytest.mark.parametrize("pp_saved,pp_resumed", [(2, 0), (0, 2)])
+def test_8bit_moments_and_a_bf16_master_reshard_between_cuts(tmp_path, pp_saved, pp_resumed):
+    """Compressed state (issue 29) resumed under another cut: the stages' 8-bit moments are
+    requantised into the new chunks (``reshard_state``) and the bf16 parameters, the master,
+    copied: the first resumed step's loss is the uninterrupted run's, bit for bit. Later steps
+    differ by design: blocks that now straddle other parameters re-round their moments, and the
+    master's stochastic rounding is keyed by each element's index in the new layout."""
+    precision = dict(dtype="bf16", optimizer_state="8bit", master="bf16")
+    saving = spec(tmp_path, pp_saved, save_at=SAVE_AT)
+    saving["config"].update(precision)
+    whole = ok(launch(WORKER, saving, 2 if pp_saved else 1, tmp_path))
+    resuming = spec(tmp_path, pp_resumed, resume=str(tmp_path / "ckpt"), start=SAVE_AT)
+    resuming["config"].update(precision)
+    resumed = ok(launch(WORKER, resuming, 2 if pp_resumed else 1, tmp_path))
+    assert all(r.value["loaded"]["resharded"] for r in resumed)
+    losses = resumed[-1].value["losses"]
+    assert losses[0] == whole[-1].value["losses"][SAVE_AT]
+    assert len(losses) == STEPS - SAVE_AT and all(torch.isfinite(torch.tensor(losses)))
