@@ -70,14 +70,16 @@ def test_8bit_moments_and_a_bf16_master_reshard_between_cuts(tmp_path, pp_saved,
     requantised into the new chunks (``reshard_state``) and the bf16 parameters, the master,
     copied: the first resumed step's loss is the uninterrupted run's, bit for bit. Later steps
     differ by design: blocks that now straddle other parameters re-round their moments, and the
-    master's stochastic rounding is keyed by each element's index in the new layout."""
+    master's stochastic rounding is keyed by each element's index in the new layout. The whole
+    model runs on 2 data-parallel ranks (pp = 0 under 2 processes: the same rows on each), so
+    the 8-bit pieces are read from, and written to, two ranks' halves of each chunk."""
     precision = dict(dtype="bf16", optimizer_state="8bit", master="bf16")
     saving = spec(tmp_path, pp_saved, save_at=SAVE_AT)
     saving["config"].update(precision)
-    whole = ok(launch(WORKER, saving, 2 if pp_saved else 1, tmp_path))
+    whole = ok(launch(WORKER, saving, 2, tmp_path))
     resuming = spec(tmp_path, pp_resumed, resume=str(tmp_path / "ckpt"), start=SAVE_AT)
     resuming["config"].update(precision)
-    resumed = ok(launch(WORKER, resuming, 2 if pp_resumed else 1, tmp_path))
+    resumed = ok(launch(WORKER, resuming, 2, tmp_path))
     assert all(r.value["loaded"]["resharded"] for r in resumed)
     losses = resumed[-1].value["losses"]
     assert losses[0] == whole[-1].value["losses"][SAVE_AT]
