@@ -31,8 +31,10 @@ its new block's scale (plus the fp32 rounding of value / scale and map * scale);
 held a NaN scale (a non-finite moment) poisons the new blocks its elements land in. Padding
 quantises to zero's code, what a fresh chunk holds.
 
-Memory: the target chunk's fp32 staging, codes and scales, and one old chunk's codes, scales and
-dequantised values.
+Memory: the target chunk's fp32 staging, codes and scales (and a copy of the codes of its
+verbatim blocks, set aside while the rest is quantised), and one old chunk's codes, scales and
+dequantised values. Under data parallelism every rank computes the whole target chunk and keeps
+its piece (``chunks.write_full``: whole blocks, so codes and scales agree).
 """
 
 from __future__ import annotations
