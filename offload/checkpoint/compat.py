@@ -32,7 +32,7 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
                                                         f"{manifest['dtype']!r}")
     chunks = engine.chunks
     layout = chunks.layout
-    _check_precision(chunks, manifest, ckpt)
+    check_precision(chunks, manifest, ckpt)
     # The chunk size first: under another one every parameter sits elsewhere, and the fix is
     # to build the model with the checkpoint's (budgets choose it when it is "auto").
     if lay["chunk_size"] != layout.chunk_size:
@@ -62,7 +62,7 @@ def check_compatible(engine, manifest: dict, ckpt: Path, ranks: Ranks | None = N
             raise ConfigError("kind", kind, f"the model has {kind!r} chunks, the checkpoint {ckpt} none")
 
 
-def _check_precision(chunks, manifest: dict, ckpt: Path) -> None:
+def check_precision(chunks, manifest: dict, ckpt: Path) -> None:
     """Optimizer state of another precision is refused, not converted: the codes of 8-bit moments
     mean nothing as fp32 and back, and a silent requantisation would change the run. The way
     across is the optimizer's state_dict, which is fp32 at every precision."""

@@ -7,13 +7,16 @@ each target engine chunk by chunk: for every parameter of a target chunk it find
 parameter's name in the whole model, the old stage (``Source``) and the slot (chunk, offset)
 that held it, reads that old chunk whole (``checkpoint.reading.fill_span``: every piece
 verified, at whatever data-parallel width it was written) and copies the parameter's elements
-of each kind -- the parameter, its fp32 master, ``exp_avg``, ``exp_avg_sq`` -- into place; the
+of each kind -- the parameter, its master, ``exp_avg``, ``exp_avg_sq`` -- into place; the
 target chunk is then written whole (``chunks.write_full``: each data-parallel rank keeps its
 piece). Each parameter's Adam step count comes by name too.
 
-Only fp32 optimizer state is resharded: a kind that is not one of ``SAVED_KINDS`` or moments
-that are not fp32 (compressed state) are refused naming them. Memory: one target chunk and one
-old chunk of one kind at a time (an old chunk is read once per target chunk that needs it).
+Every precision the engine saves is resharded, into engines of the same precision (another is
+refused naming the field): fp32 and bf16 state is copied element for element; 8-bit moments
+are dequantised, copied and quantised again block by block, a block whose elements did not move
+relative to their block keeping its codes and scale (``reshard_state``). A kind that is not one
+of ``SAVED_KINDS`` is refused naming it. Memory: one target chunk and one old chunk of one kind
+at a time (an old chunk is read once per target chunk that needs it).
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import SAVED_KINDS
+from ..checkpoint.compat import check_precision
 from ..checkpoint.format import DTYPES, chunk_pieces
 from ..checkpoint.pieces import copies
 from ..checkpoint.reading import OpenFiles, fill_span
 from ..engine.access import engine_of
+from ..engine.precision import SCALE_KINDS
 from ..errors import ConfigError, OffloadError, UnsupportedError
+from .reshard_state import OldMoments, quantized_kind, requantised, scale_kind
 
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -69,22 +75,22 @@ def saved_names(sources: list[Source]) -> dict[str, _Saved]:
     return where
 
 
-def check_sources(sources: list[Source], dtype: str) -> None:
-    """Refuse what resharding does not do: another compute dtype, compressed or unknown state,
-    parameters the engine does not hold, persistent buffers, fp16 loss scaling."""
+def check_sources(sources: list[Source], engines: list) -> None:
+    """Refuse what resharding does not do: another compute dtype or optimizer-state precision
+    (``optimizer_state``, ``master``, ``block_size``), unknown state, parameters the engine does
+    not hold, persistent buffers, fp16 loss scaling."""
     for src in sources:
         m = src.manifest
-        if m["dtype"] != dtype:
-            raise ConfigError("dtype", dtype, f"the checkpoint {src.ckpt} was saved with dtype {m['dtype']!r}")
-        for kind, info in m["kinds"].items():
+        for engine in engines:
+            dtype = engine.config.dtype
+            if m["dtype"] != dtype:
+                raise ConfigError("dtype", dtype, f"the checkpoint {src.ckpt} was saved with dtype {m['dtype']!r}")
+            check_precision(engine.chunks, m, src.ckpt)
+        for kind in m["kinds"]:
             if kind not in SAVED_KINDS:
                 raise UnsupportedError(f"resuming under another pipeline layout: the checkpoint {src.ckpt} holds "
-                                       f"{kind!r} state, which is not resharded by layer yet (only fp32 "
-                                       f"optimizer state is); resume with the layout it was saved with")
-            if kind in OPTIMIZER_KINDS and info["dtype"] != "float32":
-                raise UnsupportedError(f"resuming under another pipeline layout: the checkpoint {src.ckpt} holds "
-                                       f"{kind} as {info['dtype']}; only fp32 optimizer state is resharded by "
-                                       f"layer yet: resume with the layout it was saved with")
+                                       f"{kind!r} state, which is not resharded by layer yet; resume with the "
+                                       f"layout it was saved with")
         if m.get("buffers"):
             raise UnsupportedError(f"the checkpoint {src.ckpt} holds persistent buffers, which are not resharded "
                                    "by layer yet: resume with the layout it was saved with")
@@ -143,7 +149,7 @@ def load_resharded(targets: list[tuple[object, dict[str, str] | None]], optimize
     if not sources:
         raise OffloadError("no saved stage to reshard from")
     engines = [engine_of(m, required=True) for m, _ in targets]
-    check_sources(sources, engines[0].config.dtype)
+    check_sources(sources, engines)
     counts = {int(s.manifest["engine_step_count"]) for s in sources}
     if len(counts) != 1:
         raise OffloadError(f"the saved stages disagree on the optimizer step count ({sorted(counts)}): "
@@ -180,8 +186,19 @@ def _fill(engine, names: dict, where: dict, aliases: dict, old: _OldChunks, sour
     chunks.drain()
     engine.zero_grad()             # a clean window: no gradients, nothing applied
     engine.drop_gathered()         # other ranks' chunks gathered here go stale now
+    moments = OldMoments(old.get, where)
     for info in chunks.chunks():
         for kind, dtype in info.kinds.items():
+            if scale_kind(kind):        # written with their codes
+                continue
+            if quantized_kind(kind, dtype):
+                got = requantised(kind, info.numel, [(slot, found[slot.name]) for slot in info.params], moments)
+                for k, value in zip((kind, SCALE_KINDS[kind]), got or (None, None)):
+                    if value is None:
+                        chunks.write(k, info.index, None)   # nothing yet, as before a first step
+                    else:
+                        chunks.write_full(k, info.index, value)
+                continue
             whole = torch.zeros(info.numel, dtype=dtype)
             held = False
             for slot in info.params:

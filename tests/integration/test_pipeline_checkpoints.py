@@ -62,3 +62,34 @@ def test_one_process_saved_resumes_in_two_stages_like_the_uninterrupted_run(tmp_
     assert all(r.value["loaded"]["resharded"] for r in resumed)
     assert resumed[1].value["losses"] == whole[0].value["losses"][SAVE_AT:]
     same(merged(resumed), whole[0].value["state"])
+
+
+# (1 -> 2 with a bf16 master: tests/unit/test_pipeline_reshard_state.py; each case here is ~10 s)
+@pytest.mark.parametrize("pp_saved,pp_resumed,master", [(2, 0, "fp32"), (0, 2, "fp32"), (2, 0, "bf16")])
+def test_8bit_moments_reshard_between_cuts(tmp_path, pp_saved, pp_resumed, master):
+    """Compressed state (issue 29) resumed under another cut: the stages' 8-bit moments are moved
+    into the new chunks (``reshard_state``). Every parameter of the tiny LLaMA is a whole number
+    of 256-element blocks, so every block keeps its codes and scale: with an fp32 master the
+    resumed run takes the uninterrupted run's steps bit for bit. With a bf16 master (bf16
+    compute: the parameters themselves) the first resumed loss is the same; later steps differ
+    by design, the master's stochastic rounding being keyed by each element's index in the
+    layout, which the cut moves. The whole model runs on 2 data-parallel ranks (pp = 0 under 2
+    processes, the same rows on each), so the 8-bit pieces are read from, and written to, two
+    ranks' halves of each chunk."""
+    precision = dict(optimizer_state="8bit") if master == "fp32" else \
+        dict(dtype="bf16", optimizer_state="8bit", master="bf16")
+    saving = spec(tmp_path, pp_saved, save_at=SAVE_AT)
+    saving["config"].update(precision)
+    whole = ok(launch(WORKER, saving, 2, tmp_path))
+    resuming = spec(tmp_path, pp_resumed, resume=str(tmp_path / "ckpt"), start=SAVE_AT)
+    resuming["config"].update(precision)
+    resumed = ok(launch(WORKER, resuming, 2, tmp_path))
+    assert all(r.value["loaded"]["resharded"] for r in resumed)
+    losses, expected = resumed[-1].value["losses"], whole[-1].value["losses"][SAVE_AT:]
+    if master == "fp32":
+        assert losses == expected
+        same(merged(resumed) if pp_resumed else resumed[0].value["state"],
+             merged(whole) if pp_saved else whole[0].value["state"])
+    else:
+        assert losses[0] == expected[0]
+        assert len(losses) == STEPS - SAVE_AT and all(torch.isfinite(torch.tensor(losses)))

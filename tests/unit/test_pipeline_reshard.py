@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload.checkpoint.format import manifest_bytes
-from offload.errors import ConfigError, UnsupportedError
+from offload.errors import ConfigError
 from offload.pipeline.checkpoint import Target, load_pipeline_checkpoint
 from tests.helpers.reference import LR, WD, make_models, small_config
 from tests.helpers.tiny_gpt import batches
@@ -59,15 +59,16 @@ def test_a_checkpoint_resharded_into_another_layout_trains_on_identically(tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_compressed_optimizer_state_is_not_resharded(tmp_path):
+def test_state_of_another_dtype_than_the_model_holds_is_refused_naming_the_kind(tmp_path):
+    # (compressed state of the model's own precision is resharded: test_pipeline_reshard_state)
     saved, opt, _ = trained(tmp_path, 8192, 1)
     ckpt = offload.save_checkpoint(saved, opt, tmp_path / "ckpt", step=1)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest.pop("manifest_crc32")
-    manifest["kinds"]["exp_avg"]["dtype"] = "bfloat16"       # what a checkpoint of compressed moments says
+    manifest["kinds"]["exp_avg"]["dtype"] = "bfloat16"       # bf16 moments under an fp32 precision
     (ckpt / "manifest.json").write_bytes(manifest_bytes(manifest))
     other, other_opt, _ = trained(tmp_path, 6144, 0)
-    with pytest.raises(UnsupportedError, match="exp_avg as bfloat16; only fp32 optimizer state is resharded"):
+    with pytest.raises(ConfigError, match="kind='exp_avg': torch.bfloat16 in .*, torch.float32 in the model"):
         load_pipeline_checkpoint([Target(0, 1, other)], other_opt, tmp_path / "ckpt")
 
 
