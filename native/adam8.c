@@ -180,6 +180,18 @@ void off__adam_fold_bc2(const off_adam_hparams *hp, float *step_bc2, float *eps_
     *eps_bc2 = (float)(hp->eps * bc2_sqrt);
 }
 
+void off__adam8_moment_bound(const off_adam_hparams *hp, float *k, float *k2)
+{
+    double b1 = hp->beta1, b2 = hp->beta2;
+    if (b2 <= b1 * b1) {        /* the bound's series diverges: none */
+        *k = *k2 = INFINITY;
+        return;
+    }
+    double kd = (1.0 - b1) / sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2));
+    *k = (float)kd;
+    *k2 = (float)(kd * kd);
+}
+
 static const struct {
     off__adam8_kernel adam;
     off__quant_kernel quant;
@@ -274,6 +286,7 @@ OFF_EXPORT int off_adam8_step_level(int level, const off_adam_hparams *hp, void 
         job.kernel = off__adam8_avx512vbmi;
 #endif
     off__adam_fold_bc2(hp, &job.c.step_bc2, &job.c.eps_bc2);
+    off__adam8_moment_bound(hp, &job.c.m_bound, &job.c.m_bound2);
     job.c.block = st->block;
     job.c.key = off__sr_key(seed, hp->step);
     job.io = (off__adam8_io){master, master_dtype, grad, grad_dtype, st->exp_avg,

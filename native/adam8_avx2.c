@@ -115,6 +115,18 @@ float off__quant_avx2(int map, const float *x, uint8_t *codes, long long n)
     return scale;
 }
 
+/* off__bound_moment lane by lane: the comparison for all eight, the square root only when a
+ * lane is over (rare: the state rarely breaks the bound). sqrt(v) >= +0, so copysign is an or. */
+INLINE __m256 bound_moment(__m256 m, __m256 v, float k, float k2)
+{
+    __m256 over = _mm256_cmp_ps(_mm256_mul_ps(m, m), _mm256_mul_ps(_mm256_set1_ps(k2), v), _CMP_GT_OQ);
+    if (!_mm256_movemask_ps(over))
+        return m;
+    __m256 lim = _mm256_or_ps(_mm256_mul_ps(_mm256_set1_ps(k), _mm256_sqrt_ps(v)),
+                              _mm256_and_ps(m, _mm256_set1_ps(-0.0f)));
+    return _mm256_blendv_ps(m, lim, over);
+}
+
 /* Eight elements at i of these buffers (the slice's, or zero-padded copies at 0); their
  * updated moments go to mb/vb and the random bits use element index `index`. */
 INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, const void *grad,
@@ -136,6 +148,7 @@ INLINE void step8(const off__adam8_consts *c, void *master, int master_dtype, co
         g = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(k->l2), p));
     __m256 m = dequant(off__qt.values[OFF_QMAP_SIGNED], mc + i, sm);
     __m256 v = dequant(off__qt.values[OFF_QMAP_UNSIGNED], vc + i, sv);
+    m = bound_moment(m, v, c->m_bound, c->m_bound2);
     m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta1), _mm256_sub_ps(g, m)));
     v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta2),
                                        _mm256_sub_ps(_mm256_mul_ps(g, g), v)));

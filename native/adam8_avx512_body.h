@@ -186,6 +186,19 @@ INLINE void encode(int map, const float *x, uint8_t *codes, long long n, float i
     }
 }
 
+/* off__bound_moment lane by lane: the comparison for all sixteen, the square root only when a
+ * lane is over (rare: the state rarely breaks the bound). sqrt(v) >= +0, so copysign is an or. */
+INLINE __m512 bound_moment(__m512 m, __m512 v, float k, float k2)
+{
+    __mmask16 over = _mm512_cmp_ps_mask(_mm512_mul_ps(m, m), _mm512_mul_ps(_mm512_set1_ps(k2), v), _CMP_GT_OQ);
+    if (!over)
+        return m;
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32((int)0x80000000u));
+    __m512 lim = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(_mm512_mul_ps(_mm512_set1_ps(k), _mm512_sqrt_ps(v))), sign));
+    return _mm512_mask_mov_ps(m, over, lim);
+}
+
 /* Sixteen elements at i of these buffers (the slice's, or zero-padded copies at 0), whose
  * moments' map values are mq/vq (times the block's scales sm/sv); their updated moments go to
  * mb/vb and the random bits use element index `index`. */
@@ -209,6 +222,7 @@ INLINE void step16(const off__adam8_consts *c, void *master, int master_dtype, c
         g = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(k->l2), p));
     __m512 m = _mm512_mul_ps(mq, sm);
     __m512 v = _mm512_mul_ps(vq, sv);
+    m = bound_moment(m, v, c->m_bound, c->m_bound2);
     m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(k->one_minus_beta1), _mm512_sub_ps(g, m)));
     v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(k->one_minus_beta2),
                                        _mm512_sub_ps(_mm512_mul_ps(g, g), v)));

@@ -6,6 +6,8 @@
 #ifndef OFF_ADAM8_INTERNAL_H
 #define OFF_ADAM8_INTERNAL_H
 
+#include <math.h>
+
 #include "adam_internal.h"
 
 #define OFF_ADAM8_MAX_BLOCK 4096
@@ -71,7 +73,27 @@ typedef struct off__adam8_consts {
     float eps_bc2;                      /* eps * sqrt(1 - beta2^t) */
     long long block;
     uint32_t key;                       /* hash of (seed, step) */
+    float m_bound, m_bound2;            /* K and K^2 of off__bound_moment (+inf: no bound) */
 } off__adam8_consts;
+
+/* K (and K^2, each rounded once from double) of off__bound_moment for these betas. */
+void off__adam8_moment_bound(const off_adam_hparams *hp, float *k, float *k2);
+
+/*
+ * A dequantised exp_avg held to |m| <= K sqrt(v), K = (1-beta1) / sqrt((1-beta2)(1-beta1^2/beta2)):
+ * Adam's exact moments never exceed it (Cauchy-Schwarz over their histories from zero; one step
+ * keeps it), but the two moments are quantised apart, and an exp_avg_sq that rounds to 0 under a
+ * nonzero exp_avg (a value below the map's smallest, 3.25e-7 of its block's largest) made the
+ * update m / eps: a parameter moved by tens at lr 1e-2. Where m^2 > K^2 v, m becomes
+ * copysign(K sqrt(v), m); a NaN on either side leaves m as it is (the poison stays in its block).
+ * The SIMD kernels do the same comparisons and operations lane by lane.
+ */
+static inline float off__bound_moment(float m, float v, float k, float k2)
+{
+    if (m * m > k2 * v)
+        return copysignf(k * sqrtf(v), m);
+    return m;
+}
 
 /* lr/(1-beta1^t)*sqrt(1-beta2^t) and eps*sqrt(1-beta2^t) (adam8.c; the bf16 kernels too). */
 void off__adam_fold_bc2(const off_adam_hparams *hp, float *step_bc2, float *eps_bc2);

@@ -8,6 +8,7 @@
  *   for each block of B elements:
  *     m = signed_map[m_code] * m_absmax            dequantise
  *     v = unsigned_map[v_code] * v_absmax
+ *     m = clamp(m, -K sqrt(v), K sqrt(v))            Adam's own bound (off__bound_moment)
  *     (m, v, p) = the Adam/AdamW step               on every element of the block
  *     m_absmax = max |m|,  v_absmax = max |v|       new scale per block
  *     m_code = nearest(signed_map, m / m_absmax)    requantise (x * (1/absmax), rounded once)
@@ -98,6 +99,7 @@ void off__adam8_scalar(const off__adam8_consts *c, const off__adam8_io *io, long
                 g = g + k->l2 * p;
             float m = smap[io->m_codes[i]] * m_absmax;
             float v = umap[io->v_codes[i]] * v_absmax;
+            m = off__bound_moment(m, v, c->m_bound, c->m_bound2);
             m = m + k->one_minus_beta1 * (g - m);
             v = v + k->one_minus_beta2 * (g * g - v);
             float denom = sqrtf(v) + c->eps_bc2;

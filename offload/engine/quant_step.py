@@ -10,7 +10,8 @@ where two runs touch one block:
   to the fused native kernel over its whole blocks (padding is zeros in every kind, which Adam
   maps to zeros);
 * otherwise (a parameter without a gradient, or two param groups, sharing a block) the blocks
-  are dequantised to fp32 once, each run is updated by the fp32 kernel, and the blocks are
+  are dequantised to fp32 once, each run's exp_avg held to Adam's bound as the fused kernel holds
+  it (``bound_moment``), each run is updated by the fp32 kernel, and the blocks are
   quantised again. A parameter without a gradient that shares a block then keeps its values up
   to the block's new scale (its codes are rounded again), as a block-wise scheme must.
 
@@ -26,7 +27,7 @@ import functools
 import torch
 
 from ..optim.kernel import adam_step
-from ..optim.quantized import BLOCK_SIZE, adam_step_8bit, dequantize, quantize
+from ..optim.quantized import BLOCK_SIZE, adam_step_8bit, bound_moment, dequantize, quantize
 from .precision import SR_SEED
 
 
@@ -78,6 +79,9 @@ def update_8bit(master: torch.Tensor, grad: torch.Tensor, states, out: torch.Ten
             continue
         m32 = dequantize(m[a:b], m_abs[ba:bb], True)
         v32 = dequantize(v[a:b], v_abs[ba:bb], False)
+        for start, end, h, _ in group:      # the fused kernel's bound, by each run's betas
+            s, e = start - a, end - a
+            m32[s:e] = bound_moment(m32[s:e], v32[s:e], h.beta1, h.beta2)
         for start, end, h, step in group:
             s, e = start - a, end - a
             # A bf16 master is rounded with the bits the fused kernel would give it (same hash).

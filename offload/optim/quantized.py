@@ -18,6 +18,13 @@ stochastic rounding keeps the master at 2 bytes and its expectation exact, so up
 half a bf16 ulp still accumulate. The random bits hash (seed, step, element index): the same
 bits on every instruction set, thread count and chunk split.
 
+Adam's own bound: exact moments always keep |exp_avg| <= K sqrt(exp_avg_sq), K = (1-beta1) /
+sqrt((1-beta2)(1-beta1^2/beta2)) (Cauchy-Schwarz over their histories from zero). Quantised apart,
+they need not: an exp_avg_sq below its map's smallest value (3.25e-7 of its block's largest) reads
+back 0 under a nonzero exp_avg, and the update became m / eps (a parameter moved by tens at lr
+1e-2). The step clamps the dequantised exp_avg to the bound first (``bound_moment``); exact
+Adam's moments are never changed by it.
+
 Non-finite values: a NaN or infinity in a block's updated moment (from a NaN/inf gradient)
 stores a NaN scale for that block, so all of its moments read back NaN on the next step and the
 poison spreads to the block rather than vanishing; that step's parameter update is NaN only where
@@ -258,6 +265,26 @@ def _f32(v: float) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
 
+def moment_bound(beta1: float, beta2: float) -> tuple[float, float]:
+    """``(K, K**2)`` of Adam's bound |m| <= K sqrt(v) (module doc), in double (the kernel's
+    arithmetic; each is rounded to fp32 once where used); ``inf`` when beta1^2 >= beta2 (no bound)."""
+    if beta2 <= beta1 * beta1:
+        return math.inf, math.inf
+    k = (1.0 - beta1) / math.sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2))
+    return k, k * k
+
+
+def bound_moment(m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """fp32 ``m`` held to |m| <= K sqrt(v), as the native step does (``off__bound_moment``): where
+    m^2 > K^2 v, copysign(K sqrt(v), m); a NaN on either side leaves m as it is."""
+    k, k2 = moment_bound(beta1, beta2)
+    over = m * m > _f32(k2) * v
+    if not bool(over.any()):
+        return m
+    root = torch.sqrt(v.double()).float()     # correctly rounded, as the kernel's (reference_update)
+    return torch.where(over, torch.copysign(_f32(k) * root, m), m)
+
+
 def reference_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decoupled,
                      grad_scale, maximize):
     """The fp32 arithmetic both compressed-state kernels share, op for op: ``(p, m, v)``."""
@@ -300,6 +327,7 @@ def reference_adam_step_8bit(param, grad, exp_avg, exp_avg_absmax, exp_avg_sq, e
     and rounded once, as the kernel does."""
     m = reference_dequantize(exp_avg, exp_avg_absmax, True, block_size)
     v = reference_dequantize(exp_avg_sq, exp_avg_sq_absmax, False, block_size)
+    m = bound_moment(m, v, beta1, beta2)
     p, m, v = reference_update(param, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                weight_decay=weight_decay, step=step, decoupled=decoupled,
                                grad_scale=grad_scale, maximize=maximize)

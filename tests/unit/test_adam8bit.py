@@ -410,3 +410,56 @@ def test_vbmi_switch_reports_and_refuses_what_the_cpu_lacks():
             assert native.adam8_vbmi(True) is True
     finally:
         native.adam8_vbmi(has)
+
+
+# ---- Adam's own bound on the quantised moments --------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(gs=st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=60),
+       betas=st.sampled_from([(0.9, 0.999), (0.9, 0.95), (0.8, 0.99), (0.0, 0.5), (0.5, 0.3)]))
+def test_exact_adam_moments_keep_the_bound(gs, betas):
+    """|m| <= K sqrt(v) holds for every history from zero (Cauchy-Schwarz): the bound the step
+    holds the dequantised moments to never binds on exact moments."""
+    b1, b2 = betas
+    k, k2 = q.moment_bound(b1, b2)
+    m = v = 0.0
+    for g in gs:
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        assert m * m <= k2 * v * (1 + 1e-12) + 1e-300
+    assert math.isinf(q.moment_bound(0.9, 0.81)[0])      # beta1^2 >= beta2: no bound
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_second_moment_rounded_to_zero_does_not_blow_up_the_update(level):
+    """exp_avg_sq below the unsigned map's smallest value (3.25e-7 of its block's largest) reads
+    back 0 while exp_avg keeps a code: the update was m / eps (the parameter moved by -42 at lr
+    1e-2 on the second step, -70 on the third). Held to Adam's bound it stays an Adam step."""
+    n = 256
+    p = torch.zeros(n)
+    m, ma = q.quantize(torch.zeros(n), True)
+    v, va = q.quantize(torch.zeros(n), False)
+    for step in (1, 2, 3):
+        g = torch.zeros(n)
+        g[0] = 1.0
+        if step == 1:
+            g[1] = 1e-4
+        q.adam_step_8bit(p, g, m, ma, v, va, step=step, weight_decay=0.0, simd=level, **HP)
+        # an exact Adam step moves a parameter by at most lr * K * sqrt(1 - b2^t) / (1 - b1^t)
+        k = q.moment_bound(HP["beta1"], HP["beta2"])[0]
+        assert p.abs().max() <= step * HP["lr"] * k * math.sqrt(1 - HP["beta2"] ** step) / (1 - HP["beta1"] ** step)
+
+
+@pytest.mark.parametrize("level", SIMD)
+@pytest.mark.parametrize("master", MASTERS)
+def test_the_bound_gives_every_level_the_scalar_bits_where_it_binds(level, master):
+    """Every exp_avg_sq code 0 (or tiny) under exp_avg codes across the map: the bound binds in
+    most lanes, NaN and zero scales included."""
+    n = 1000
+    state = make_state(n, master=master, seed=3)
+    state[3] = torch.randint(0, 3, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    state[4][::5] = 0.0
+    state[2][1] = float("nan")
+    grads = grads_for(n, 2, torch.float32, seed=5)
+    got = run(state, grads, simd=level)
+    assert same_run(got, run(state, grads, simd="scalar"))
+    assert same_run(got, run(state, grads, reference=True))
