@@ -176,3 +176,30 @@ def test_nvme_bytes_per_step_fall_in_proportion_to_the_state(disk_tmp):
         model.offload_engine.close()
     share = moved["8bit"] / moved["fp32"]
     assert 0.18 <= share <= 1.1 * (2 + 2 * (1 + 4 / 256)) / 14, (share, moved)
+
+
+@pytest.mark.parametrize("case", ["fp32 compute", "bf16 compute, bf16 master"])
+def test_no_parameter_moves_further_than_an_adam_step_can(disk_tmp, case):
+    """The tiny LLaMA at lr 1e-2 for 5 steps: an embedding row whose token left the batches kept an
+    exp_avg code while its exp_avg_sq (1e-8 of its block's largest) read back 0, and the update
+    became m / eps: the row moved by 26.9 (fp32 Adam's largest move: 0.05). Held to Adam's bound,
+    no parameter moves further than Adam's steps can: lr * K * sqrt(1 - b2^t) / (1 - b1^t) each,
+    plus the decay and, under bf16 compute, a bf16 rounding of the largest value."""
+    import math
+
+    from offload.optim.quantized import moment_bound
+
+    kw = CASES[case]
+    _, mine = make_models()
+    initial = {n: p.detach().clone().float() for n, p in mine.named_parameters()}
+    model = offload.wrap(mine, small_config(disk_tmp, device_budget="96KiB", cpu_budget="128KiB", chunk_size=4096, **kw))
+    opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD, state="8bit", master=kw.get("master"))
+    train(model, opt, 5)
+    state = model.state_dict()
+    k = moment_bound(0.9, 0.999)[0]
+    steps = sum(LR * k * math.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t) for t in range(1, 6))
+    largest = max(float(p.abs().max()) for p in initial.values())
+    bound = steps + 5 * LR * WD * largest + (largest * 2.0 ** -7 if kw["dtype"] == "bf16" else 0.0)
+    moved = max(float((state[n].float() - p).abs().max()) for n, p in initial.items())
+    assert moved <= bound, (moved, bound)
+    model.offload_engine.close()
