@@ -20,6 +20,7 @@ from .errors import ConfigError, OffloadError
 from .hf.accelerate_ranks import mark_data_parallel
 from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, scalar_dtype
+from .optim.quantized import bound_moment
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -206,6 +207,13 @@ class AdamW(CPUAdamW):
             stepped = [(i, p, steps[e.chunks.param(p).index]) for i, p in entries]
             stepped = [entry for entry in stepped if entry[2] > 0]
             moments = {kind: e.chunks.gather([p for _, p, _ in stepped], kind) for kind in MOMENTS}
+            if e.chunks.precision["optimizer_state"] == "8bit":
+                # The moments the next step uses: 8-bit exp_avg held to Adam's bound, as the
+                # kernel holds it (an exp_avg_sq read back as 0 would make torch's next update m / eps).
+                betas = {id(p): g["betas"] for g in self.param_groups for p in g["params"]}
+                for _, p, _ in stepped:
+                    m, v = moments["exp_avg"][id(p)], moments["exp_avg_sq"][id(p)]
+                    moments["exp_avg"][id(p)] = bound_moment(m, v, *betas[id(p)])
             for i, p, step in stepped:
                 sd["state"][i] = {"step": torch.tensor(float(step), dtype=scalar_dtype(), device="cpu"),
                                   **{kind: moments[kind][id(p)] for kind in MOMENTS}}

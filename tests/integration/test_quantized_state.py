@@ -85,6 +85,13 @@ def test_state_dict_dequantised_round_trip_with_torch_adamw(disk_tmp):
     opt = offload.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     train(model, opt, 3)
     sd = opt.state_dict()
+    # What the next step would use: exp_avg held to Adam's bound (torch's next update on a
+    # moment exported past it, beside an exp_avg_sq read back as 0, would be m / eps).
+    from offload.optim.quantized import moment_bound
+    k2 = moment_bound(0.9, 0.999)[1]
+    for i, st in sd["state"].items():
+        m, v = st["exp_avg"].double(), st["exp_avg_sq"].double()
+        assert bool((m * m <= k2 * v * (1 + 2.0 ** -20)).all()), i
     engine = model.offload_engine
     before = {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg")}
     plain = make_models()[0]
