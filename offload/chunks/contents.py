@@ -69,4 +69,3 @@ class ChunkContents:
 
     def _write_tier(self, rec: ChunkRecord) -> str:
         return next((tier for tier in self.order if tier in rec.buffers), self.traffic.lowest_memory)
-
