@@ -17,7 +17,11 @@ registered, before the first allocation maps the arena): a budget is a ceiling, 
 all of it pinned tens of GB a 1B model never used. When the budget has the bytes
 but the arena no contiguous range for them and nothing can be evicted (every chunk pinned: under
 N ranks whole gathered chunks and 1/N pieces interleave), a buffer is taken outside the arena
-(``fits_outside_arena``): the budget still holds, only that buffer misses the arena.
+(``fits_outside_arena``): the budget still holds, only that buffer misses the arena. A buffer
+under one page of the arena (``ARENA_PAGE``: the 8-bit moments' block scales of a small chunk
+piece, 32 B per 2048 elements) comes from the allocator instead, at its own size: in the arena it
+would take a whole page while counted at its size, and neither alignment nor pinning is needed
+of it (NVMe slots are whole pages; a GPU copy from pageable memory is only synchronous).
 
 The device tier keeps freed buffers in a pool keyed by size (freshly touched pages cost ~40x
 more than reused ones; on a GPU a cudaMalloc is a synchronisation) and gives them back only when
@@ -54,6 +58,7 @@ from ..errors import DeviceMemoryError, StateError, TierFullError
 from .arena import Extents, Slots
 
 HUGEPAGE = 2 << 20
+ARENA_PAGE = 4096          # the arena's unit: every buffer in it is whole pages (``Extents``)
 
 
 class MemoryTier:
@@ -77,14 +82,14 @@ class MemoryTier:
         self._retire_stream = None          # CUDA: waits for released buffers' fences (``_release``)
         # Host memory for O_DIRECT or DMA is one arena: its bookkeeping now, its mapping at first use.
         arena = self.device.type == "cpu" and (aligned or pin)
-        self._extents: Extents | Slots | None = Extents(self.budget // 4096 * 4096) if arena else None
+        self._extents: Extents | Slots | None = Extents(self.budget // ARENA_PAGE * ARENA_PAGE) if arena else None
         self.asked_budget = self.budget     # the budget given; ``budget`` is less once ``fit_to`` fits it
         self._mapping: memoryview | None = None
         self._base = 0
         self._largest_request = 0
         self._pinner = pinner
         self._unpin_at_exit = None
-        self._outside: set[int] = set()     # addresses of buffers taken outside a fragmented arena
+        self._outside: set[int] = set()     # addresses of buffers outside the arena (fragmented, or small)
         self.outside_arena = 0              # how many were ever taken so (each mapped, and pinned, alone)
 
     @property
@@ -101,7 +106,7 @@ class MemoryTier:
         if self.in_use + nbytes > self.budget:
             return False
         # In an arena the bytes must also be contiguous (evicting more makes them so).
-        return self._extents is None or self._extents.fits(nbytes)
+        return self._extents is None or nbytes < ARENA_PAGE or self._extents.fits(nbytes)
 
     def fit_to(self, sizes: Sequence[int], spare: int) -> int:
         """Size the arena, and the budget with it, to one buffer of each of ``sizes`` at once plus
@@ -113,10 +118,11 @@ class MemoryTier:
         if self._mapping is not None:
             raise StateError(f"tier {self.name!r}: its {self._extents.size}-byte arena is mapped already; "
                              "fit it to its chunks before the first allocation")
-        slots = Slots(sizes, spare)
-        if slots.size < self._extents.size:
+        slots = Slots([n for n in sizes if n >= ARENA_PAGE], spare)
+        small = sum(n for n in sizes if n < ARENA_PAGE)     # from the allocator, outside the arena
+        if slots.size + small < self._extents.size:
             self._extents = slots
-            self.budget = slots.size
+            self.budget = slots.size + small
         return self.budget
 
     def fits_outside_arena(self, nbytes: int) -> bool:
@@ -135,7 +141,7 @@ class MemoryTier:
         if not (self.can_allocate(nbytes) or self.fits_outside_arena(nbytes)):
             raise TierFullError(self.name, self.budget, self.in_use, nbytes, holders())
         if self._extents is not None:
-            buf = self._from_arena(nbytes)
+            buf = self._from_arena(nbytes) if nbytes >= ARENA_PAGE else self._small(nbytes)
             self.in_use += nbytes
             return buf
         size = nbytes if self._pooled[nbytes] else self._pooled_fit(nbytes)
@@ -200,6 +206,11 @@ class MemoryTier:
             # Once ``buf`` is deallocated (on return), the allocator records an event on this
             # stream, behind the waits, and reuses the memory only after that event.
             buf.record_stream(self._retire_stream)
+
+    def _small(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._outside.add(buf.untyped_storage().data_ptr())     # freed as the outside buffers are
+        return buf
 
     def _from_arena(self, nbytes: int) -> torch.Tensor:
         if self._mapping is None:

@@ -135,7 +135,7 @@ def test_two_ranks_with_8bit_state_train_bit_for_bit_like_one_process(tmp_path, 
     256-element blocks: the pieces' quantum) against one process. Every rank takes the same
     slice of each batch, so the averaged gradient is exactly one process's (a mean of equal
     values) and any difference would be the sliced 8-bit state's own."""
-    cfg = dict(device="cpu", device_budget="320KiB", cpu_budget="96KiB", nvme_paths=[str(tmp_path / "nvme-{rank}")],
+    cfg = dict(device="cpu", device_budget="208KiB", cpu_budget="64KiB", nvme_paths=[str(tmp_path / "nvme-{rank}")],
                chunk_size=6144, **CASES[case])
     out = {}
     for world in (1, 2):
