@@ -9,7 +9,8 @@
 #   benchmarks/gpu_check.sh suite     THERE: the GPU tests (pytest -m gpu), the sanitizer run left out
 #   benchmarks/gpu_check.sh sanitizer THERE: the tests of test_gpu_path.SANITIZED under CUDA's stream
 #                                     sanitizer (TORCH_CUDA_SANITIZER=1), each reported on its own
-#   benchmarks/gpu_check.sh bench     THERE: offload bench step --device cuda: a step vs its bound
+#   benchmarks/gpu_check.sh bench     THERE: offload bench step --device cuda: a step vs its bound,
+#                                     and fp32 state vs 8-bit moments + bf16 master side by side
 #                                     (PCIe included) and the in-memory batch curve vs plain PyTorch
 #   benchmarks/gpu_check.sh largest   THERE: the largest preset the planner accepts on that box, a
 #                                     few steps of it: TFLOPS vs the card's bf16 peak, step vs predicted
@@ -120,12 +121,17 @@ sanitizer)
 bench)
     if [ "$CUDA" = 1 ]; then
         say "offload bench step --device cuda"
-        timeout "$(left 20)" $PY -m offload bench step --device cuda --path "$NVME" --preset small --steps 6 \
+        timeout "$(left 110)" $PY -m offload bench step --device cuda --path "$NVME" --preset small --steps 6 \
             --batch-curve 512,2048,8192,16384 --json "$WORK/bench-step.json" >> "$LOG" 2>&1 || rc=1
+        # Issue 29 where compute leaves the CPU: fp32 state against 8-bit moments + a bf16 master.
+        say "offload bench step --device cuda --state fp32,8bit --master fp32,bf16"
+        timeout "$(left 20)" $PY -m offload bench step --device cuda --path "$NVME" --preset small --steps 6 \
+            --state fp32,8bit --master fp32,bf16 --json "$WORK/bench-precision.json" >> "$LOG" 2>&1 || rc=1
     else
-        say "no CUDA device: the step benchmark is skipped"
+        say "no CUDA device: the step benchmarks are skipped"
     fi
-    $PY benchmarks/gpu_figures.py bench "$OUT/bench.json" "$WORK/bench-step.json" >> "$LOG" 2>&1 || rc=1
+    $PY benchmarks/gpu_figures.py bench "$OUT/bench.json" "$WORK/bench-step.json" "$WORK/bench-precision.json" \
+        >> "$LOG" 2>&1 || rc=1
     ;;
 largest)
     # The planner's verdict for each preset, largest first, until one fits; then a few steps of it.

@@ -71,9 +71,14 @@ def sanitizer(out: Path, tests: str, log: str) -> dict:
     return {"stage": "sanitizer", "machine": machine(), "sanitizer": junit(Path(tests)), "races": races}
 
 
-def bench(out: Path, step_json: str) -> dict:
+def bench(out: Path, step_json: str, precision_json: str | None = None) -> dict:
     raw = load(Path(step_json))
     fig = {"stage": "bench", "machine": machine(), "ran": raw is not None}
+    compared = load(Path(precision_json)) if precision_json else None
+    if compared is not None:        # `--state fp32,8bit --master fp32,bf16`: one row per precision
+        fig["precisions"] = [{k: r.get(k) for k in ("state", "master", "step_s", "speedup", "nvme_bytes_ratio",
+                                                    "nvme_read_bytes", "nvme_write_bytes")}
+                             for r in compared.get("results") or []]
     if raw is not None:
         breakdown = raw.get("breakdown") or {}
         default_tokens = (breakdown.get("run") or {}).get("batch_tokens")     # the --batch-tokens run

@@ -79,6 +79,22 @@ def test_bench_takes_the_bound_and_the_curve(tmp_path):
     assert fig["ran"] and fig["step_over_bound"] == 1.2 and fig["bottleneck"] == "nvme"
     assert fig["in_memory_vs_torch"] == [{"batch_tokens": 512, "ratio": 0.95}, {"batch_tokens": 2048, "ratio": 0.97}]
     assert figures("bench", tmp_path / "none.json", tmp_path / "absent.json")["ran"] is False
+    assert "precisions" not in fig
+
+
+def test_bench_takes_the_precision_comparison_when_it_ran(tmp_path):
+    (tmp_path / "step.json").write_text(json.dumps({"step_s": 2.4}))
+    rows = [{"state": "fp32", "master": "fp32", "step_s": 0.4, "speedup": 1.0, "nvme_bytes_ratio": 1.0,
+             "nvme_read_bytes": 7, "nvme_write_bytes": 7, "step_times_s": [0.4]},
+            {"state": "8bit", "master": "bf16", "step_s": 0.2, "speedup": 2.0, "nvme_bytes_ratio": 0.3,
+             "nvme_read_bytes": 2, "nvme_write_bytes": 2}]
+    (tmp_path / "precision.json").write_text(json.dumps({"results": rows}))
+    fig = figures("bench", tmp_path / "bench.json", tmp_path / "step.json", tmp_path / "precision.json")
+    assert [(r["state"], r["master"], r["speedup"]) for r in fig["precisions"]] == [("fp32", "fp32", 1.0),
+                                                                                   ("8bit", "bf16", 2.0)]
+    assert "step_times_s" not in fig["precisions"][0]
+    cut = figures("bench", tmp_path / "cut.json", tmp_path / "step.json", tmp_path / "never-ran.json")
+    assert "precisions" not in cut and cut["ran"]
 
 
 def test_largest_compares_with_the_plan_after_the_first_step(tmp_path):
