@@ -150,7 +150,10 @@ class ChunkAdam:
         """Start bringing chunk ``c``'s optimizer inputs to host memory (asynchronous); ``grad=False``
         leaves its gradient where it is (backward has not completed it yet)."""
         master = "master" if self.params.has_master else "param"
-        kinds = ["grad"] * grad + [master, *self.params.precision.state_kinds()]
+        precision = self.params.precision
+        # Resident kinds (8-bit scales) never leave host memory: nothing to fetch or to hint.
+        state = [k for k in precision.state_kinds() if k not in precision.resident_kinds()]
+        kinds = ["grad"] * grad + [master, *state]
         for kind in kinds:
             self.store.prefetch((kind, c), "cpu", soon=True)
         if not grad:

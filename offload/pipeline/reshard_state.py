@@ -87,12 +87,17 @@ class OldMoments:
         return sum(1 for a, b in self.spans.get((source, c), ()) if a < hi and b > lo)
 
 
+def _blocks(slot) -> range:
+    """The blocks of its chunk that a slot's elements touch."""
+    return range(slot.offset // BLOCK_SIZE, -(-(slot.offset + slot.numel) // BLOCK_SIZE))
+
+
 def _same_blocks(placed, old: OldMoments) -> dict[int, tuple[int, int, int]]:
     """Target block -> (source, old chunk, old block) whose elements it holds at the same places
     and nothing else; ``placed``: (target slot, saved) of the target chunk's parameters."""
     by_block: dict[int, list] = {}
     for slot, saved in placed:
-        for b in range(slot.offset // BLOCK_SIZE, -(-(slot.offset + slot.numel) // BLOCK_SIZE)):
+        for b in _blocks(slot):
             by_block.setdefault(b, []).append((saved.source, saved.chunk, saved.offset - slot.offset))
     out = {}
     for b, moved in by_block.items():
@@ -121,7 +126,7 @@ def requantised(kind: str, numel: int, placed, old: OldMoments) -> tuple[torch.T
         codes, scales, values = got
         staging[slot.offset:slot.offset + slot.numel] = values[saved.offset:saved.offset + saved.numel]
         held = True
-        for b in range(slot.offset // BLOCK_SIZE, -(-(slot.offset + slot.numel) // BLOCK_SIZE)):
+        for b in _blocks(slot):
             if b in same and b not in kept:
                 ob = same[b][2]
                 kept[b] = (codes[ob * BLOCK_SIZE:(ob + 1) * BLOCK_SIZE].clone(), scales[ob:ob + 1].clone())
