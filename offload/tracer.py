@@ -12,7 +12,6 @@ import os
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -29,29 +28,20 @@ class Tracer:
     def enabled(self) -> bool:
         return self.path is not None
 
-    @contextmanager
-    def span(self, name: str, cat: str, **args):
+    def span(self, name: str, cat: str, **args) -> "_Span":
         """Time a block: adds to ``totals[cat]`` and, when tracing, records a complete event."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            with self._lock:
-                self.totals[cat] += end - start
-                if self.path is not None:
-                    self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self._pid,
-                                        "tid": threading.get_ident() % 100000,
-                                        "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
-                                        "args": args})
+        return _Span(self, name, cat, args)
 
     def complete(self, name: str, cat: str, start: float, end: float, track: str, **args) -> None:
         """Record an interval measured elsewhere (``time.perf_counter`` stamps) on a named track,
         e.g. an asynchronous NVMe read from its submission to its completion."""
+        self._interval(name, cat, start, end, track, args)
+
+    def _interval(self, name: str, cat: str, start: float, end: float, tid, args: dict) -> None:
         with self._lock:
             self.totals[cat] += end - start
             if self.path is not None:
-                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self._pid, "tid": track,
+                self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self._pid, "tid": tid,
                                     "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6,
                                     "args": args})
 
@@ -81,3 +71,19 @@ class Tracer:
         tmp.write_text(json.dumps(data))
         os.replace(tmp, target)
         return str(target)
+
+
+class _Span:
+    """``Tracer.span``'s context: a plain class, not a generator (the engine opens several a chunk)."""
+
+    __slots__ = ("tracer", "name", "cat", "args", "start")
+
+    def __init__(self, tracer: Tracer, name: str, cat: str, args: dict):
+        self.tracer, self.name, self.cat, self.args = tracer, name, cat, args
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.tracer._interval(self.name, self.cat, self.start, time.perf_counter(),
+                              threading.get_ident() % 100000, self.args)

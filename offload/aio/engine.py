@@ -90,6 +90,7 @@ class AsyncIO:
         self._crc = CrcStore() if self.config.checksum else None
         self._lock = threading.RLock()
         self._no_direct: set[str] = set()
+        self._dirs: dict[str, str] = {}      # member path -> its directory (asked at every request)
         self._closed = False
 
     # ---- public API -------------------------------------------------------------------
@@ -247,7 +248,10 @@ class AsyncIO:
     def _open(self, path: str, create: bool, moff: int, n: int, address: int, offset: int,
               nbytes: int, base_fd: int | None = None) -> tuple[int, bool]:
         """``(descriptor, through libaio)`` for one member of a request."""
-        direct = self._libaio is not None and os.path.dirname(os.path.abspath(path)) not in self._no_direct
+        where = self._dirs.get(path)
+        if where is None:
+            where = self._dirs[path] = os.path.dirname(os.path.abspath(path))
+        direct = self._libaio is not None and where not in self._no_direct
         if direct:
             bad = [what for what, v in (("buffer address", address), ("length", nbytes), ("offset", offset))
                    if v % DIRECT_IO_ALIGNMENT]
@@ -261,14 +265,12 @@ class AsyncIO:
             except NvmeIOError as exc:
                 if exc.errno != errno.EINVAL or self.config.backend != "auto":
                     raise
-                where = os.path.dirname(os.path.abspath(path))
                 self._no_direct.add(where)
                 log.info("%s refuses O_DIRECT; its files go through the threads backend", where)
         elif base_fd is not None and not (address | nbytes | offset) % DIRECT_IO_ALIGNMENT:
             # An unlinked swap file on the threads backend still takes O_DIRECT where it can: a
             # buffered write would "succeed" into the page cache and its EIO surface at writeback,
             # where nobody sees it (and TBs of swap traffic would push everything else out of RAM).
-            where = os.path.dirname(os.path.abspath(path))
             if where not in self._no_direct:
                 try:
                     return self._files.fd(path, direct=True, create=create, offset=moff, length=n,

@@ -34,7 +34,7 @@ class StripedFile:
     members without a name, see the module docstring; ``close()`` (or ``remove()``) frees them.
     """
 
-    __slots__ = ("dirs", "name", "size", "stripe_unit", "paths", "member_sizes", "fds")
+    __slots__ = ("dirs", "name", "size", "stripe_unit", "paths", "member_sizes", "fds", "_repr")
 
     def __init__(self, dirs: Sequence[str | os.PathLike] | str | os.PathLike, name: str, size: int,
                  *, stripe_unit: int = 1 << 20, create: bool = True, unlinked: bool = False):
@@ -67,8 +67,12 @@ class StripedFile:
             self._create()
 
     def __repr__(self) -> str:
-        return (f"StripedFile(dirs={list(self.dirs)!r}, name={self.name!r}, size={self.size}, "
-                f"stripe_unit={self.stripe_unit})")
+        # Made once: every request through this file names it (its errors, its handle).
+        text = getattr(self, "_repr", None)
+        if text is None:
+            text = self._repr = (f"StripedFile(dirs={list(self.dirs)!r}, name={self.name!r}, size={self.size}, "
+                                 f"stripe_unit={self.stripe_unit})")
+        return text
 
     def _member_size(self, i: int) -> int:
         n, unit = len(self.dirs), self.stripe_unit
