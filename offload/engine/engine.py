@@ -23,7 +23,7 @@ from ..tiers.budgets import compute_device
 from ..tiers.gpu_timeline import GpuTimeline
 from ..tiers.streams import compute_on
 from ..tracer import Tracer
-from . import build
+from . import build, lifetime
 from .access import EngineChunks
 from .activation_hooks import make_activation_store
 from .gradients import GradCapture
@@ -142,6 +142,7 @@ class OffloadEngine:
         self._closed = False
         # What code outside the engine may use of its chunks (offload.chunks.access).
         self.chunks = EngineChunks(self)
+        lifetime.track(self)
 
     # ---- what offload.AdamW, grad clipping, checkpoints and loaders call ------------------------
     def attach_optimizer(self, optimizer) -> None:
@@ -195,6 +196,7 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
+        lifetime.forget(self)
         self.hooks.close()
         try:
             self.adam.drain()       # updates still queued from the last step: finish, or report their error

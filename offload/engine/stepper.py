@@ -35,6 +35,8 @@ from .quant_step import update_8bit, zero_code
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
 # wait_backlog gives up after this long without a single update finishing.
 BACKLOG_STALL_S = 0.5
+# How often a drain looks whether the worker it waits for still runs.
+WORKER_POLL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,12 +356,24 @@ class ChunkAdam:
 
     def drain(self) -> None:
         if self._queue is not None:
-            self._queue.join()
+            self._join()
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, OffloadError):
                 raise err
             raise OffloadError(f"the optimizer worker failed: {err!r}") from err
+
+    def _join(self) -> None:
+        """``Queue.join``, but a worker that is gone with updates still queued (Python stops daemon
+        threads at interpreter exit) is an error, not a wait forever."""
+        q = self._queue
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                worker = self._worker
+                if worker is None or not worker.is_alive():
+                    raise OffloadError(f"the optimizer worker stopped with {q.unfinished_tasks} chunk updates "
+                                       f"still queued (the interpreter is exiting?): they are lost")
+                q.all_tasks_done.wait(WORKER_POLL_S)
 
     def close(self) -> None:
         if self._worker is not None:
