@@ -140,6 +140,23 @@ class ChunkStore(ChunkContents):
                 self.traffic.drop_copy(rec, tier)
             rec.nvme_valid = False
 
+    def close(self) -> None:
+        """Give every copy's buffer back and let the memory tiers go of their memory: the engine is
+        closing and its values are gone (``OffloadEngine.close``). Moves under way finish first;
+        parameters viewing a buffer are detached as it goes (``on_free``)."""
+        with self.lock:
+            self.traffic.wait_idle()
+            for rec in self.records.values():
+                for tier in list(rec.buffers):
+                    self.traffic.drop_copy(rec, tier)
+                rec.pins.clear()
+                rec.pin_threads.clear()
+                rec.nvme_valid = False
+                rec.state = ChunkState.FREE      # for good: whatever it was (a close mid-forward)
+            for tier in self.tiers.values():
+                if isinstance(tier, MemoryTier):
+                    tier.close()
+
     # ---- access -----------------------------------------------------------
     def fetch(self, key: ChunkKey, tier: str) -> Move | None:
         """Start the next hop that brings ``key`` towards ``tier``; None when it is already there.

@@ -206,9 +206,14 @@ class OffloadEngine:
                 self.comms.close()
             if self.activations is not None:
                 self.activations.close()
-            nvme = self.store.tiers.get("nvme")
-            if nvme is not None:
-                nvme.close(remove=not keep_files)
+            try:
+                # The values are gone with the engine: so is their memory, also while the model
+                # object lives on (a notebook keeping ``model``; on a GPU, the device chunks).
+                self.store.close()
+            finally:
+                nvme = self.store.tiers.get("nvme")
+                if nvme is not None:
+                    nvme.close(remove=not keep_files)
 
     def __del__(self):
         try:

@@ -277,6 +277,15 @@ class MemoryTier:
                     "allocated by this process): activations and other tensors need more than the "
                     "budget leaves; lower device_budget or the batch") from None
 
+    def close(self) -> None:
+        """Let go of this tier's memory: pooled buffers, and the arena (unpinned now; unmapped once
+        the last tensor viewing it goes). Call when no buffer of the tier is in use any more."""
+        self._shrink_pool(0)
+        self._pooled.clear()
+        if self._unpin_at_exit is not None:
+            self._unpin_at_exit()
+        self._mapping = None
+
     def describe(self) -> dict:
         # ``budget`` is the effective one: less than ``asked_budget`` when fitted to the chunks.
         return {"budget": self.budget, "asked_budget": self.asked_budget, "in_use": self.in_use,
