@@ -126,6 +126,66 @@ def test_a_failed_read_of_8bit_codes_is_named_and_nothing_half_updated_is_saved(
         model.offload_engine.close()
 
 
+# Writes fail while RLIMIT_FSIZE is 0 (EFBIG from the kernel at any offset; reads go on): a
+# process-wide limit, so in a child of its own. SIGXFSZ ignored: the write returns the error.
+WRITE_FAULT = """
+import json, resource, signal, sys
+from pathlib import Path
+import offload
+from tests.integration.test_quantized_cli_faults import adam_steps, build, train
+from tests.helpers.tiny_gpt import batches
+tmp = Path(sys.argv[1])
+data = list(batches(4))
+model, opt = build(tmp / "nvme")
+train(model, opt, data[:2])
+offload.save_checkpoint(model, opt, tmp / "ckpt", step=2)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+out = {}
+try:
+    train(model, opt, data[2:4])
+except offload.NvmeIOError as exc:
+    out["error"] = {"errno": exc.errno, "path": exc.path, "offset": exc.offset, "length": exc.length}
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+out["steps"] = sorted(adam_steps(model))
+try:
+    offload.save_checkpoint(model, opt, tmp / "ckpt", step=3)
+    out["save"] = "saved"
+except offload.NvmeIOError as exc:
+    out["save"] = str(exc)
+model.offload_engine.close()
+# The documented way on, against the uninterrupted run in this process (the same torch threads).
+model, opt = build(tmp / "nvme2")
+offload.load_checkpoint(model, opt, tmp / "ckpt")
+out["resumed"] = train(model, opt, data[2:])
+model.offload_engine.close()
+model, opt = build(tmp / "nvme3")
+out["uninterrupted"] = train(model, opt, data)[2:]
+model.offload_engine.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_failed_write_in_an_8bit_step_is_named_and_the_step_is_not_saved(disk_tmp):
+    import errno
+    import json
+
+    done = subprocess.run([sys.executable, "-c", WRITE_FAULT, str(disk_tmp)], capture_output=True, text=True,
+                          timeout=120, env=python_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    err = out["error"]
+    assert err["errno"] == errno.EFBIG and err["path"].endswith(".swp") and err["offset"] % 4096 == 0, out
+    assert out["steps"] == [2]
+    # The first request to fail, which need not be the one the training thread saw first.
+    assert re.match(r"\[EFBIG\] File too large at \S+\.swp offset \d+ length \d+: ", out["save"]), out["save"]
+    assert "resume from the last checkpoint" in out["save"]
+    assert sorted(p.name for p in (disk_tmp / "ckpt").iterdir()) == ["latest", "step-00000002"]
+    assert out["resumed"] == out["uninterrupted"]
+
+
 # ---- damaged 8-bit checkpoint files, and checkpoints from before the precision fields -------------
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
