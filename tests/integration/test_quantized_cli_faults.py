@@ -22,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from tests.helpers.processes import python_env
 from tests.helpers.tiny_gpt import TinyGPT, batches
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 QUANT = dict(optimizer_state="8bit", master="bf16")
 
@@ -323,8 +325,9 @@ def test_finetune_8bit_resumes_like_the_uninterrupted_run_and_refuses_an_fp32_ch
     assert resumed.losses == whole.losses[2:]                 # codes, scales and the master bit for bit
 
     # A checkpoint of the fp32 default: refused under 8-bit state, naming the flag, and left as it was.
-    plain = finetune("--steps", "1", "--checkpoint-dir", "fp32", "--nvme-path", "nvme", cwd=tmp_path)
-    assert plain.returncode == 0, plain.stderr[-2000:]
+    plain = Trainer(parse(QUICK + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "fp32"), "--nvme-path",
+                                   str(tmp_path / "nvme")]))
+    assert plain.train() == 0
     ckpt = tmp_path / "fp32" / "step-00000001"
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     refused = finetune("--steps", "2", "--checkpoint-dir", "fp32", "--nvme-path", "nvme", "--resume", *EIGHT,
@@ -335,3 +338,23 @@ def test_finetune_8bit_resumes_like_the_uninterrupted_run_and_refuses_an_fp32_ch
         "with a fp32 master: resume it with --optimizer-state fp32 --master fp32")
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     assert sorted(p.name for p in (tmp_path / "fp32").iterdir() if p.name.startswith("step-")) == ["step-00000001"]
+
+
+def test_the_headline_script_offers_the_precision_flags_and_trains_with_them(tmp_path):
+    """``scripts/finetune_100b.py`` (what ``make finetune`` runs) with ``make finetune``'s budgets
+    and 8-bit moments + a bf16 master: the checkpoint it writes holds that precision."""
+    import json
+
+    script = str(ROOT / "scripts" / "finetune_100b.py")
+    helped = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60,
+                            env=python_env())
+    assert "--optimizer-state STATE" in helped.stdout and "--master MASTER" in helped.stdout
+    (tmp_path / "nvme").mkdir()
+    done = subprocess.run([sys.executable, script, *QUICK, *EIGHT, "--steps", "2", "--nvme-path", "nvme",
+                           "--checkpoint-dir", "ck"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=python_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"step 2/2 +loss \d+\.\d+", done.stderr), done.stderr[-2000:]
+    manifest = json.loads((tmp_path / "ck" / "step-00000002" / "manifest.json").read_text())
+    assert manifest["precision"] == {"optimizer_state": "8bit", "master": "bf16", "block_size": 256}
+    assert manifest["kinds"]["exp_avg"]["dtype"] == "uint8" and "master" not in manifest["kinds"]
