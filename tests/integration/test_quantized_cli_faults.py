@@ -1,18 +1,20 @@
-"""8-bit optimizer state (and a bf16 master) as a user meets it: through ``offload plan`` and
-``offload finetune``, through its checkpoint files, and through NVMe faults in the middle of a step.
+"""8-bit optimizer state (and a bf16 master) as a user meets it: through ``offload finetune`` and
+``scripts/finetune_100b.py``, through its checkpoint files, and through NVMe faults mid-step.
 
-* The command line refuses a bad precision naming the flag (exit 2 at parse time, 1 for a
-  combination), and an 8-bit run resumed from its checkpoint repeats the uninterrupted run's
-  losses; a checkpoint of the fp32 default is refused under ``--optimizer-state 8bit`` (the
-  README: "A checkpoint of another precision is refused, naming it") and left byte for byte.
-* A truncated or flipped codes or scales file of an 8-bit checkpoint is named with its offset by
-  the resume and by ``offload checkpoint verify``; a checkpoint without the precision fields
-  (fp32 state, versions 1-3) loads as fp32 state and is refused by an 8-bit model.
 * A read of an 8-bit codes chunk that fails mid-step (the swap file truncated behind the engine's
-  back through its descriptor, then restored: a transient fault with the data intact) raises
-  ``NvmeIOError`` naming the swap file and offset; after it the model neither steps nor saves
-  (its chunks may hold part of the step), and the documented recovery -- close, resume from the
-  last checkpoint -- repeats the uninterrupted run bit for bit.
+  back through its descriptor, then restored: a transient fault, the data intact), or a write
+  that fails (EFBIG under RLIMIT_FSIZE 0, in a child), raises ``NvmeIOError`` naming the swap file
+  and offset; after it the model neither steps, runs forward nor saves (its chunks may hold part
+  of the step), and the documented recovery -- close, resume from the last checkpoint -- repeats
+  the uninterrupted run bit for bit.
+* A truncated or flipped codes or scales file of an 8-bit checkpoint is named with its offset by
+  the load and by ``verify_checkpoint``, and the resume falls back to the older checkpoint; a
+  checkpoint without the precision fields (fp32 state: versions 1-3) loads as fp32 state and is
+  refused by an 8-bit model, its files untouched.
+* An 8-bit run of ``offload finetune`` resumed from its checkpoint repeats the uninterrupted run's
+  losses; a checkpoint of the fp32 default is refused under ``--optimizer-state 8bit`` (the README:
+  "A checkpoint of another precision is refused, naming it") in one line, left byte for byte. The
+  headline script takes the same flags.
 """
 
 from __future__ import annotations
