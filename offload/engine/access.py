@@ -15,7 +15,7 @@ import torch
 
 from ..chunks.access import ChunkInfo, ParamInfo, StepState
 from ..chunks.states import ChunkState
-from ..errors import ConfigError, OffloadError
+from ..errors import ConfigError, NvmeIOError, OffloadError
 from ..tiers.nvme import SLOT_ALIGN
 
 
@@ -120,7 +120,12 @@ class EngineChunks:
 
     # ---- in flight, counters -----------------------------------------------------------------
     def drain(self, *, moves: bool = False) -> None:
-        self._engine.adam.drain()
+        try:
+            self._engine.adam.drain()
+        except NvmeIOError:
+            self._engine.check_intact()     # the update's failed request, and what follows from it
+            raise
+        self._engine.check_intact()         # what reads the chunks next must not save half a step
         if moves:
             self._engine.store.wait_idle()
 

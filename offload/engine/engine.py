@@ -150,11 +150,16 @@ class OffloadEngine:
 
     def step(self) -> bool:
         """Finish this window's update; returns False when an fp16 overflow skipped it."""
+        self.check_intact()
         applied = self.pipeline.step()
         if applied:
             self.step_count += 1
         self.last_stats = self.statistics.finish_step(self.step_count, applied)
         return applied
+
+    def check_intact(self) -> None:
+        """Raise once a request of the NVMe tier has failed (``NvmeTier.check_intact``)."""
+        self.pipeline.check_intact()
 
     def zero_grad(self) -> None:
         if self.progress.in_backward and not autograd_running():

@@ -270,6 +270,7 @@ class ModuleHooks:
                 self._unpin(c)
         self.active.clear()
         self.fwd_pinned.clear()
+        self.pipeline.check_intact()        # a failed NVMe request may have left half a step
         if self.progress.applied:
             raise OffloadError(
                 "a new forward started after backward already applied an optimizer update that "

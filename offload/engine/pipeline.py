@@ -156,6 +156,12 @@ class StepPipeline:
         norm = math.sqrt(total) if math.isfinite(total) else float("inf")
         return norm / self.scaler.scale if self.scaler is not None else norm
 
+    def check_intact(self) -> None:
+        """Raise once a request of the NVMe tier has failed (``NvmeTier.check_intact``)."""
+        nvme = self.store.tiers.get("nvme")
+        if nvme is not None:
+            nvme.check_intact()
+
     def step(self) -> bool:
         """Finish this window's update; returns False when an fp16 overflow skipped it."""
         if self.optimizer is None:

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ..config import AioConfig
-from ..errors import ConfigError, TierFullError
+from ..errors import ConfigError, NvmeIOError, TierFullError
 from .moves import Move
 from .swapfiles import keep, private_dir, reclaim_stale, remove_private_dir
 
@@ -83,6 +83,7 @@ class NvmeTier:
         self.aio = AsyncIO(aio_config or AioConfig())
         self.files: dict[str, object] = {}
         self.in_use = 0
+        self.failure: NvmeIOError | None = None     # the first request that failed (see _waiter)
         self.budget = nvme_capacity(self.dirs)
         # A list while recording: every read and write started is appended (offload.bench.replay).
         self.recording: list[IoRecord] | None = None
@@ -136,14 +137,39 @@ class NvmeTier:
         handle = self.aio.write_from(src, slot.file, slot.offset)
         if self.recording is not None:
             self.recording.append(IoRecord(slot, True, False))
-        return Move(src_name, self.name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
+        return Move(src_name, self.name, slot.nbytes, self._waiter(handle), poll=handle.done)
 
     def read(self, slot: NvmeSlot, dst: torch.Tensor, dst_name: str = "cpu", *, urgent: bool = False) -> Move:
         """Start reading ``slot`` into the aligned host buffer ``dst`` (``urgent``: see ``AsyncIO.read_into``)."""
         handle = self.aio.read_into(dst, slot.file, slot.offset, urgent=urgent)
         if self.recording is not None:
             self.recording.append(IoRecord(slot, False, urgent))
-        return Move(self.name, dst_name, slot.nbytes, lambda: self.aio.wait([handle]), poll=handle.done)
+        return Move(self.name, dst_name, slot.nbytes, self._waiter(handle), poll=handle.done)
+
+    def _waiter(self, handle):
+        """Waits for ``handle``; its error (the first of the tier's) is kept as ``failure``: a chunk
+        that did not reach its tier may leave a step half applied, so the engine stops there."""
+        def wait() -> None:
+            try:
+                self.aio.wait([handle])
+            except NvmeIOError as exc:
+                if self.failure is None:
+                    self.failure = exc
+                raise
+        return wait
+
+    def check_intact(self) -> None:
+        """Raise once a request has failed: a chunk that did not reach its tier (a moment's codes
+        not read, an update not written) may have left some chunks a step ahead of the others, and
+        neither another step nor a checkpoint may build on that. The error names the failed
+        request; the way on is a new model from the last checkpoint."""
+        failure = self.failure
+        if failure is not None:
+            why = f"{failure.what}; " if failure.what else ""
+            raise NvmeIOError(failure.errno, failure.path, failure.offset, failure.length,
+                              f"{why}this model's chunks may hold part of an optimizer step since that request "
+                              "failed, so it neither steps, saves nor runs forward any more: close it and resume "
+                              "from the last checkpoint (a new model, offload.load_checkpoint)")
 
     def close(self, remove: bool = True) -> list[str]:
         """Close the I/O engine and the swap files, which frees their space; ``remove=False``

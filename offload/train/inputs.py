@@ -32,6 +32,9 @@ def check_config(config: TrainConfig, ranks: Ranks = Ranks()) -> None:
     if o.output_dtype and m.lora_rank is not None and not o.merge:
         raise ConfigError("--output-dtype", o.output_dtype, "applies to model weights: a LoRA adapter is written "
                                                             "as peft saves it (--merge writes merged weights in it)")
+    if config.optimizer.master == "bf16" and m.dtype == "fp32":
+        raise ConfigError("--master", "bf16", "needs --dtype bf16 (the parameters are then the master) or fp16: "
+                                              "with --dtype fp32 the fp32 parameters are the master")
     if o.save_every and not o.output:
         raise ConfigError("--save-every", o.save_every, "needs --output")
     if d.batch_tokens < d.seq_len:
