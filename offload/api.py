@@ -149,16 +149,32 @@ class AdamW(CPUAdamW):
         grad_clip.install()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, **kwargs)
+        self._precision = (state, master)
         self._engines: list[OffloadEngine] = []
+        self._attach_engines()
+
+    def _attach_engines(self) -> None:
+        """Attach the engines of the wrapped parameters in ``param_groups``; each (re)reads which
+        group each of its parameters is in."""
+        engines = list(self._engines)
         for group in self.param_groups:
             for p in group["params"]:
                 e = engine_of(p)
-                if e is not None and e not in self._engines:
-                    self._engines.append(e)
-        for e in self._engines:
-            _check_precision(e.config, state, master)
-        for e in self._engines:
+                if e is not None and e not in engines:
+                    engines.append(e)
+        for e in engines[len(self._engines):]:
+            _check_precision(e.config, *self._precision)
+        self._engines = engines
+        for e in engines:
             e.attach_optimizer(self)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's; a group of wrapped parameters is updated by their engine from the next step
+        (the engine maps each parameter to its group when the optimizer is attached: without a
+        new attach it would leave the new group's parameters unchanged, silently)."""
+        super().add_param_group(param_group)
+        if hasattr(self, "_engines"):       # torch's __init__ adds the first groups before ours runs
+            self._attach_engines()
 
     def _updated_elsewhere(self, p) -> bool:
         return engine_of(p) is not None

@@ -1,0 +1,162 @@
+"""8-bit optimizer state under the optimizer's features, as a user drives them: param groups with
+their own lr / betas / eps / weight decay, ``add_param_group`` after wrapping, an lr scheduler,
+``maximize``, gradient accumulation, clipping, frozen parameters and parameters without a
+gradient in some steps, ``zero_grad`` / ``step(closure)``, and the optimizer's own state-dict
+round trip. Budgets below the state: every step reads and writes it through NVMe files.
+
+The reference is the scheme itself per parameter on plain PyTorch (``tests/helpers/param8.py``:
+the torch reference the native kernel is bit-identical to). The model's trainable parameters
+fill whole 256-element blocks of their own, where the engine's step is that reference's bit
+for bit, so the runs are compared exactly (losses and parameters ``==``), not to a tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.errors import UnsupportedError
+from offload.optim.quantized import dequantize, quantize, reference_dequantize, reference_quantize
+from tests.helpers.param8 import Param8AdamW, aligned_bases
+
+LR = 1e-2
+
+
+def config(path, **kw) -> offload.OffloadConfig:
+    base = dict(device="cpu", dtype="fp32", device_budget="96KiB", cpu_budget="64KiB", nvme_paths=[str(path)],
+                chunk_size=2048, optimizer_state="8bit")
+    base.update(kw)
+    return offload.OffloadConfig(**base)
+
+
+def make_model(seed=0) -> nn.Sequential:
+    """Four 64x64 layers (each a chunk of its own) and five small ones sharing two 2048-element
+    chunks; every weight a whole number of 256-element blocks."""
+    torch.manual_seed(seed)
+    dims = [(64, 64)] * 4 + [(64, 16), (16, 16), (16, 16), (16, 16), (16, 64)]
+    layers = []
+    for a, b in dims:
+        layers += [nn.Linear(a, b, bias=False), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def twins(path, **kw):
+    """(reference model, wrapped model, the reference's layout bases)."""
+    ref = make_model()
+    model = offload.wrap(make_model(), config(path, **kw))
+    return ref, model, aligned_bases(ref, model.offload_engine.chunks.layout)
+
+
+def batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)) for _ in range(n)]
+
+
+def loss_of(model, x, y):
+    return (model(x) - y).pow(2).mean()
+
+
+def train(model, opt, steps, *, sched=None) -> list[float]:
+    losses = []
+    for x, y in batches(steps):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if sched is not None:
+            sched.step()
+    return losses
+
+
+def assert_same(ref, model) -> None:
+    sd = model.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.equal(sd[name], p.detach()), name
+
+
+def nvme_bytes(model) -> int:
+    return sum(v for k, v in model.offload_stats()["moved_bytes"].items() if "nvme" in k)
+
+
+def groups(params, split=(1, 5)):
+    """Three groups, each with its own lr, weight decay, betas and eps (Adam's bound on exp_avg,
+    K(beta1, beta2), differs in each: 7.27, 1.04 and 2.0)."""
+    a, b = split
+    return [dict(params=params[:a], lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
+            dict(params=params[a:b], lr=3e-3, weight_decay=0.1, betas=(0.5, 0.6), eps=1e-6),
+            dict(params=params[b:], lr=2e-2, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-3)]
+
+
+# ---- scenario 1: param groups, add_param_group, schedulers, maximize, amsgrad ---------------
+
+def test_param_groups_each_step_with_their_own_hyper_parameters(disk_tmp):
+    ref, model, bases = twins(disk_tmp)
+    want = train(ref, Param8AdamW(groups(list(ref.parameters())), bases), 5)
+    got = train(model, offload.AdamW(groups(list(model.parameters()))), 5)
+    assert got == want
+    assert_same(ref, model)
+    assert nvme_bytes(model) > 0      # the state went through NVMe
+
+
+def test_the_bound_on_exp_avg_uses_each_groups_betas(disk_tmp):
+    """exp_avg loaded far past Adam's bound over an exp_avg_sq near zero, in a group with betas
+    (0.5, 0.6) (K = 1.04, not the default betas' 7.27): the engine's next steps are the scheme's
+    with that group's K, bit for bit."""
+    ref, model, bases = twins(disk_tmp)
+    ropt = Param8AdamW(groups(list(ref.parameters())), bases)
+    opt = offload.AdamW(groups(list(model.parameters())))
+    train(ref, ropt, 1)
+    train(model, opt, 1)
+    sd = opt.state_dict()
+    gen = torch.Generator().manual_seed(7)
+    for i, p in enumerate(ref.parameters()):
+        n = p.numel()
+        m = torch.randn(n, generator=gen) * 1e-2
+        v = torch.rand(n, generator=gen) * 1e-12
+        sd["state"][i]["exp_avg"], sd["state"][i]["exp_avg_sq"] = m.view(p.shape), v.view(p.shape)
+        st = ropt.state[p]
+        (st["m"], st["ma"]), (st["v"], st["va"]) = quantize(m, True), quantize(v, False)
+    opt.load_state_dict(sd)
+    assert train(model, opt, 3) == train(ref, ropt, 3)
+    assert_same(ref, model)
+
+
+def test_a_group_added_after_wrapping_is_trained(disk_tmp):
+    """offload.AdamW over the first layers, then ``add_param_group`` with the rest (as when frozen
+    layers are thawed): the new group trains like torch's, with its own lr."""
+    ref, model, bases = twins(disk_tmp)
+    rp, mp = list(ref.parameters()), list(model.parameters())
+    ropt, opt = Param8AdamW(rp[:4], bases, lr=LR), offload.AdamW(mp[:4], lr=LR)
+    ropt.add_param_group(dict(params=rp[4:], lr=3e-3))
+    opt.add_param_group(dict(params=mp[4:], lr=3e-3))
+    assert train(model, opt, 4) == train(ref, ropt, 4)
+    assert_same(ref, model)
+    assert not torch.equal(model.state_dict()["16.weight"], make_model().state_dict()["16.weight"])
+
+
+def test_an_lr_scheduler_and_maximize_are_followed(disk_tmp):
+    ref, model, bases = twins(disk_tmp)
+
+    def setup(cls, params, **kw):
+        opt = cls(params, lr=LR, maximize=True, **kw)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+
+    ropt, rs = setup(Param8AdamW, list(ref.parameters()), bases=bases)
+    opt, s = setup(offload.AdamW, list(model.parameters()))
+    got, want = train(model, opt, 5, sched=s), train(ref, ropt, 5, sched=rs)
+    assert got == want
+    assert_same(ref, model)
+
+
+def test_amsgrad_is_refused_naming_it(disk_tmp):
+    model = offload.wrap(make_model(), config(disk_tmp))
+    with pytest.raises(UnsupportedError, match="amsgrad=True"):
+        offload.AdamW(model.parameters(), amsgrad=True)
+    opt = offload.AdamW(model.parameters())
+    opt.param_groups[0]["amsgrad"] = True       # set later, as a user may: refused at the step
+    loss_of(model, *batches(1)[0]).backward()
+    with pytest.raises(UnsupportedError, match="amsgrad=True"):
+        opt.step()
