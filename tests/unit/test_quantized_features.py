@@ -25,7 +25,7 @@ LR = 1e-2
 
 
 def config(path, **kw) -> offload.OffloadConfig:
-    base = dict(device="cpu", dtype="fp32", device_budget="96KiB", cpu_budget="64KiB", nvme_paths=[str(path)],
+    base = dict(device="cpu", dtype="fp32", device_budget="72KiB", cpu_budget="48KiB", nvme_paths=[str(path)],
                 chunk_size=2048, optimizer_state="8bit")
     base.update(kw)
     return offload.OffloadConfig(**base)
@@ -160,3 +160,135 @@ def test_amsgrad_is_refused_naming_it(disk_tmp):
     loss_of(model, *batches(1)[0]).backward()
     with pytest.raises(UnsupportedError, match="amsgrad=True"):
         opt.step()
+
+
+# ---- scenario 2: accumulation, clipping, fp16 overflow, frozen and idle parameters ----------
+
+def test_gradient_accumulation_steps_once_per_window(disk_tmp):
+    n = 3
+    ref, model, bases = twins(disk_tmp, gradient_accumulation_steps=n)
+    runs = {}
+    for name, m, opt in (("ref", ref, Param8AdamW(ref.parameters(), bases, lr=LR)),
+                         ("engine", model, offload.AdamW(model.parameters(), lr=LR))):
+        data = iter(batches(3 * n))
+        runs[name] = []
+        for _ in range(3):
+            for _ in range(n):
+                loss = loss_of(m, *next(data)) / n
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            runs[name].append(loss.item())
+    assert runs["engine"] == runs["ref"]
+    assert_same(ref, model)
+
+
+MAX_NORM = 0.01
+
+
+@pytest.mark.parametrize("how", ["torch.nn.utils", "optimizer", "max_grad_norm"])
+def test_clipping_scales_the_8bit_step_by_the_clip_coefficient(disk_tmp, how):
+    """Clipped to MAX_NORM, below every step's norm: the scheme's step with its gradients
+    times max_norm / (norm + 1e-6), the norm being the one the engine measured (in double)."""
+    ref, model, bases = twins(disk_tmp)
+    ropt = Param8AdamW(ref.parameters(), bases, lr=LR)
+    kw = {"max_grad_norm": MAX_NORM} if how == "max_grad_norm" else {}
+    opt = offload.AdamW(model.parameters(), lr=LR, **kw)
+    for x, y in batches(4):
+        loss_of(model, x, y).backward()
+        returned = None
+        if how == "torch.nn.utils":
+            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        elif how == "optimizer":
+            returned = opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        norm = opt.last_grad_norm       # in double; the returned tensor is float32
+        assert norm > MAX_NORM and (returned is None or float(returned) == float(torch.tensor(norm)))
+        loss_of(ref, x, y).backward()
+        ropt.grad_scale = min(1.0, MAX_NORM / (norm + 1e-6))
+        ropt.step()
+        ropt.zero_grad()
+    assert_same(ref, model)
+
+
+def test_an_fp16_overflow_leaves_codes_and_scales_unchanged(disk_tmp):
+    model = offload.wrap(make_model(), config(disk_tmp, dtype="fp16", cpu_budget="56KiB"))
+    opt = offload.AdamW(model.parameters(), lr=LR)
+    engine = model.offload_engine
+
+    def state():
+        engine.chunks.drain()
+        return {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg")}
+
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            before, params = state(), {k: v.clone() for k, v in model.state_dict().items()}
+            x = x * 1e6     # fp16 activations overflow: every gradient is inf or NaN
+        loss_of(model, x.half(), y.half()).float().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            after = state()
+            assert engine.scaler.skipped == 1
+            assert before.keys() == after.keys() and {k[0] for k in before} == {
+                "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
+            for k in before:
+                assert torch.equal(before[k], after[k]), k
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, params[k]), k
+    assert all(bool(v.isfinite().all()) for v in model.state_dict().values())
+
+
+class Sometimes(nn.Module):
+    """``make_model``'s layers, the 7th (one of the small ones, sharing its chunk) used only on
+    even steps; the 2nd frozen (``requires_grad=False`` before wrapping)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model()
+        self.body[2].weight.requires_grad_(False)
+        self.even = True
+
+    def forward(self, x):
+        for i, layer in enumerate(self.body):
+            if i in (12, 13) and not self.even:      # Linear(16, 16) and its Tanh
+                continue
+            x = layer(x)
+        return x
+
+
+def test_frozen_and_idle_parameters_keep_their_state(disk_tmp):
+    """A parameter without a gradient in a step keeps its value, codes and scales (torch AdamW
+    leaves its state alone too); a frozen one has no state at all."""
+    ref = Sometimes()
+    model = offload.wrap(Sometimes(), config(disk_tmp))
+    bases = aligned_bases(ref, model.offload_engine.chunks.layout)
+    ropt = Param8AdamW([p for p in ref.parameters() if p.requires_grad], bases, lr=LR)
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine = model.offload_engine
+    idle = engine.chunks.param(model.body[12].weight)
+    for step, (x, y) in enumerate(batches(5)):
+        ref.even = model.even = step % 2 == 0
+        if not model.even:
+            engine.chunks.drain()
+            before = {k: engine.store.read(k).clone() for k in engine.store.records
+                      if k[0].startswith("exp_avg") and k[1] == idle.slot.chunk}
+        for m, opt_ in ((ref, ropt), (model, opt)):
+            loss_of(m, x, y).backward()
+            opt_.step()
+            opt_.zero_grad()
+        if not model.even:
+            engine.chunks.drain()
+            lo, hi = idle.slot.offset, idle.slot.end
+            for k, v in before.items():
+                now = engine.store.read(k)
+                if k[0].endswith("absmax"):
+                    lo_, hi_ = lo // 256, hi // 256
+                    assert torch.equal(now[lo_:hi_], v[lo_:hi_]), k
+                else:
+                    assert torch.equal(now[lo:hi], v[lo:hi]), k
+        assert_same(ref, model)
+    assert {k for k, v in engine.store.records.items() if k[0] == "exp_avg"} and not any(
+        k[1] == engine.chunks.param(model.body[2].weight).slot.chunk
+        for k in engine.store.records if k[0] == "exp_avg")
