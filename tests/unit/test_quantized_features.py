@@ -18,7 +18,7 @@ from torch import nn
 
 import offload
 from offload.errors import UnsupportedError
-from offload.optim.quantized import dequantize, quantize, reference_dequantize, reference_quantize
+from offload.optim.quantized import bound_moment, quantize, reference_dequantize, reference_quantize
 from tests.helpers.param8 import Param8AdamW, aligned_bases
 
 LR = 1e-2
@@ -394,3 +394,58 @@ def test_a_huge_gradient_keeps_the_parameters_finite_as_torch_adamw_does(disk_tm
     assert all(bool(p.isfinite().all()) for p in ref.parameters())     # torch's
     sd = model.state_dict()
     assert all(bool(v.isfinite().all()) for v in sd.values()), [k for k, v in sd.items() if not v.isfinite().all()]
+
+
+# ---- scenario 4: zero_grad, step(closure), the optimizer's state dict mid-run ----------------
+
+def test_zero_grad_kept_and_step_with_a_closure_train_as_the_scheme(disk_tmp):
+    ref, model, bases = twins(disk_tmp)
+    ropt, opt = Param8AdamW(ref.parameters(), bases, lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    for step, (x, y) in enumerate(batches(4)):
+        if step % 2:
+            def closure():
+                opt.zero_grad(set_to_none=False)
+                loss = loss_of(model, x, y)
+                loss.backward()
+                return loss
+            got = opt.step(closure)
+        else:
+            got = loss_of(model, x, y)
+            got.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        want = loss_of(ref, x, y)
+        want.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert got.item() == want.item()
+    assert_same(ref, model)
+
+
+def test_the_optimizers_own_state_dict_round_trip_requantises_as_documented(disk_tmp):
+    """``opt.load_state_dict(opt.state_dict())`` mid-run: exp_avg_sq's codes and scales come back
+    byte for byte; exp_avg comes back as the quantisation of what ``state_dict`` exported (held
+    to Adam's bound, then through the map: README, "Optimizer state precision"), and training
+    goes on as the scheme's from that state, bit for bit."""
+    ref, model, bases = twins(disk_tmp)
+    ropt, opt = Param8AdamW(ref.parameters(), bases, lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    train(ref, ropt, 3)
+    train(model, opt, 3)
+    engine = model.offload_engine
+    engine.chunks.drain()
+    before = {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg_sq")}
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    engine.chunks.drain()
+    for k, v in before.items():
+        assert torch.equal(engine.store.read(k), v), k
+    for i, p in enumerate(ref.parameters()):
+        st = ropt.state[p]
+        m = reference_dequantize(st["m"], st["ma"], True)
+        v = reference_dequantize(st["v"], st["va"], False)
+        assert torch.equal(sd["state"][i]["exp_avg_sq"].reshape(-1), v)
+        assert int(sd["state"][i]["step"]) == st["step"] == 3
+        assert torch.equal(sd["state"][i]["exp_avg"].reshape(-1), bound_moment(m, v, 0.9, 0.999))
+        st["m"], st["ma"] = reference_quantize(sd["state"][i]["exp_avg"].reshape(-1), True)
+    assert train(model, opt, 3) == train(ref, ropt, 3)
+    assert_same(ref, model)
