@@ -12,6 +12,8 @@ for bit, so the runs are compared exactly (losses and parameters ``==``), not to
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -19,7 +21,7 @@ from torch import nn
 import offload
 from offload.errors import UnsupportedError
 from offload.optim.quantized import bound_moment, quantize, reference_dequantize, reference_quantize
-from tests.helpers.param8 import Param8AdamW, aligned_bases
+from tests.helpers.param8 import PerParamAdamW, aligned_bases
 
 LR = 1e-2
 
@@ -42,11 +44,12 @@ def make_model(seed=0) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def twins(path, **kw):
-    """(reference model, wrapped model, the reference's layout bases)."""
+def twins(path, state="8bit", **kw):
+    """(reference model, wrapped model, its reference optimizer: ``reference(params, **hyper)``)."""
     ref = make_model()
-    model = offload.wrap(make_model(), config(path, **kw))
-    return ref, model, aligned_bases(ref, model.offload_engine.chunks.layout)
+    model = offload.wrap(make_model(), config(path, optimizer_state=state, **kw))
+    bases = aligned_bases(ref, model.offload_engine.chunks.layout)
+    return ref, model, functools.partial(PerParamAdamW, bases=bases, moments=state)
 
 
 def batches(n):
@@ -90,11 +93,15 @@ def groups(params, split=(1, 5)):
             dict(params=params[b:], lr=2e-2, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-3)]
 
 
+STATES = ["8bit", "bf16"]      # moments: block-wise 8-bit codes and scales, or bf16 by stochastic rounding
+
+
 # ---- scenario 1: param groups, add_param_group, schedulers, maximize, amsgrad ---------------
 
-def test_param_groups_each_step_with_their_own_hyper_parameters(disk_tmp):
-    ref, model, bases = twins(disk_tmp)
-    want = train(ref, Param8AdamW(groups(list(ref.parameters())), bases), 5)
+@pytest.mark.parametrize("state", STATES)
+def test_param_groups_each_step_with_their_own_hyper_parameters(disk_tmp, state):
+    ref, model, reference = twins(disk_tmp, state)
+    want = train(ref, reference(groups(list(ref.parameters()))), 5)
     got = train(model, offload.AdamW(groups(list(model.parameters()))), 5)
     assert got == want
     assert_same(ref, model)
@@ -105,8 +112,8 @@ def test_the_bound_on_exp_avg_uses_each_groups_betas(disk_tmp):
     """exp_avg loaded far past Adam's bound over an exp_avg_sq near zero, in a group with betas
     (0.5, 0.6) (K = 1.04, not the default betas' 7.27): the engine's next steps are the scheme's
     with that group's K, bit for bit."""
-    ref, model, bases = twins(disk_tmp)
-    ropt = Param8AdamW(groups(list(ref.parameters())), bases)
+    ref, model, reference = twins(disk_tmp)
+    ropt = reference(groups(list(ref.parameters())))
     opt = offload.AdamW(groups(list(model.parameters())))
     train(ref, ropt, 1)
     train(model, opt, 1)
@@ -124,12 +131,13 @@ def test_the_bound_on_exp_avg_uses_each_groups_betas(disk_tmp):
     assert_same(ref, model)
 
 
-def test_a_group_added_after_wrapping_is_trained(disk_tmp):
+@pytest.mark.parametrize("state", STATES)
+def test_a_group_added_after_wrapping_is_trained(disk_tmp, state):
     """offload.AdamW over the first layers, then ``add_param_group`` with the rest (as when frozen
     layers are thawed): the new group trains like torch's, with its own lr."""
-    ref, model, bases = twins(disk_tmp)
+    ref, model, reference = twins(disk_tmp, state)
     rp, mp = list(ref.parameters()), list(model.parameters())
-    ropt, opt = Param8AdamW(rp[:4], bases, lr=LR), offload.AdamW(mp[:4], lr=LR)
+    ropt, opt = reference(rp[:4], lr=LR), offload.AdamW(mp[:4], lr=LR)
     ropt.add_param_group(dict(params=rp[4:], lr=3e-3))
     opt.add_param_group(dict(params=mp[4:], lr=3e-3))
     assert train(model, opt, 4) == train(ref, ropt, 4)
@@ -137,14 +145,15 @@ def test_a_group_added_after_wrapping_is_trained(disk_tmp):
     assert not torch.equal(model.state_dict()["16.weight"], make_model().state_dict()["16.weight"])
 
 
-def test_an_lr_scheduler_and_maximize_are_followed(disk_tmp):
-    ref, model, bases = twins(disk_tmp)
+@pytest.mark.parametrize("state", STATES)
+def test_an_lr_scheduler_and_maximize_are_followed(disk_tmp, state):
+    ref, model, reference = twins(disk_tmp, state)
 
     def setup(cls, params, **kw):
         opt = cls(params, lr=LR, maximize=True, **kw)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
 
-    ropt, rs = setup(Param8AdamW, list(ref.parameters()), bases=bases)
+    ropt, rs = setup(reference, list(ref.parameters()))
     opt, s = setup(offload.AdamW, list(model.parameters()))
     got, want = train(model, opt, 5, sched=s), train(ref, ropt, 5, sched=rs)
     assert got == want
@@ -164,11 +173,12 @@ def test_amsgrad_is_refused_naming_it(disk_tmp):
 
 # ---- scenario 2: accumulation, clipping, fp16 overflow, frozen and idle parameters ----------
 
-def test_gradient_accumulation_steps_once_per_window(disk_tmp):
+@pytest.mark.parametrize("state", STATES)
+def test_gradient_accumulation_steps_once_per_window(disk_tmp, state):
     n = 3
-    ref, model, bases = twins(disk_tmp, gradient_accumulation_steps=n)
+    ref, model, reference = twins(disk_tmp, state, gradient_accumulation_steps=n)
     runs = {}
-    for name, m, opt in (("ref", ref, Param8AdamW(ref.parameters(), bases, lr=LR)),
+    for name, m, opt in (("ref", ref, reference(ref.parameters(), lr=LR)),
                          ("engine", model, offload.AdamW(model.parameters(), lr=LR))):
         data = iter(batches(3 * n))
         runs[name] = []
@@ -186,12 +196,13 @@ def test_gradient_accumulation_steps_once_per_window(disk_tmp):
 MAX_NORM = 0.01
 
 
+@pytest.mark.parametrize("state", STATES)
 @pytest.mark.parametrize("how", ["torch.nn.utils", "optimizer", "max_grad_norm"])
-def test_clipping_scales_the_8bit_step_by_the_clip_coefficient(disk_tmp, how):
+def test_clipping_scales_the_step_by_the_clip_coefficient(disk_tmp, how, state):
     """Clipped to MAX_NORM, below every step's norm: the scheme's step with its gradients
     times max_norm / (norm + 1e-6), the norm being the one the engine measured (in double)."""
-    ref, model, bases = twins(disk_tmp)
-    ropt = Param8AdamW(ref.parameters(), bases, lr=LR)
+    ref, model, reference = twins(disk_tmp, state)
+    ropt = reference(ref.parameters(), lr=LR)
     kw = {"max_grad_norm": MAX_NORM} if how == "max_grad_norm" else {}
     opt = offload.AdamW(model.parameters(), lr=LR, **kw)
     for x, y in batches(4):
@@ -212,27 +223,28 @@ def test_clipping_scales_the_8bit_step_by_the_clip_coefficient(disk_tmp, how):
     assert_same(ref, model)
 
 
-def test_an_fp16_overflow_leaves_codes_and_scales_unchanged(disk_tmp):
-    model = offload.wrap(make_model(), config(disk_tmp, dtype="fp16", cpu_budget="56KiB"))
+@pytest.mark.parametrize("state", STATES)
+def test_an_fp16_overflow_leaves_the_state_unchanged(disk_tmp, state):
+    model = offload.wrap(make_model(), config(disk_tmp, dtype="fp16", cpu_budget="56KiB", optimizer_state=state))
     opt = offload.AdamW(model.parameters(), lr=LR)
     engine = model.offload_engine
 
-    def state():
+    def snapshot():
         engine.chunks.drain()
         return {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg")}
 
     for i, (x, y) in enumerate(batches(4)):
         if i == 2:
-            before, params = state(), {k: v.clone() for k, v in model.state_dict().items()}
+            before, params = snapshot(), {k: v.clone() for k, v in model.state_dict().items()}
             x = x * 1e6     # fp16 activations overflow: every gradient is inf or NaN
         loss_of(model, x.half(), y.half()).float().backward()
         opt.step()
         opt.zero_grad()
         if i == 2:
-            after = state()
+            after = snapshot()
             assert engine.scaler.skipped == 1
-            assert before.keys() == after.keys() and {k[0] for k in before} == {
-                "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
+            kinds = {"exp_avg", "exp_avg_sq"} | ({"exp_avg_absmax", "exp_avg_sq_absmax"} if state == "8bit" else set())
+            assert before.keys() == after.keys() and {k[0] for k in before} == kinds
             for k in before:
                 assert torch.equal(before[k], after[k]), k
             for k, v in model.state_dict().items():
@@ -258,13 +270,14 @@ class Sometimes(nn.Module):
         return x
 
 
-def test_frozen_and_idle_parameters_keep_their_state(disk_tmp):
+@pytest.mark.parametrize("state", STATES)
+def test_frozen_and_idle_parameters_keep_their_state(disk_tmp, state):
     """A parameter without a gradient in a step keeps its value, codes and scales (torch AdamW
     leaves its state alone too); a frozen one has no state at all."""
     ref = Sometimes()
-    model = offload.wrap(Sometimes(), config(disk_tmp))
+    model = offload.wrap(Sometimes(), config(disk_tmp, optimizer_state=state))
     bases = aligned_bases(ref, model.offload_engine.chunks.layout)
-    ropt = Param8AdamW([p for p in ref.parameters() if p.requires_grad], bases, lr=LR)
+    ropt = PerParamAdamW([p for p in ref.parameters() if p.requires_grad], bases, lr=LR, moments=state)
     opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     engine = model.offload_engine
     idle = engine.chunks.param(model.body[12].weight)
@@ -296,9 +309,9 @@ def test_frozen_and_idle_parameters_keep_their_state(disk_tmp):
 
 # ---- scenario 3: edge values -------------------------------------------------------------
 
-def run_with_grads(ref, model, bases, edit, steps=4, edit_step=1):
+def run_with_grads(ref, model, reference, edit, steps=4, edit_step=1):
     """Train both, ``edit`` (a gradient hook) applied to the first layer's gradient at ``edit_step``."""
-    ropt, opt = Param8AdamW(ref.parameters(), bases, lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
     for step, (x, y) in enumerate(batches(steps)):
         for m, o in ((ref, ropt), (model, opt)):
             hook = m[0].weight.register_hook(edit) if step == edit_step else None
@@ -309,13 +322,14 @@ def run_with_grads(ref, model, bases, edit, steps=4, edit_step=1):
                 hook.remove()
 
 
+@pytest.mark.parametrize("state", STATES)
 @pytest.mark.parametrize("edit", ["zero", "denormal", "tiny"])
-def test_zero_and_denormal_gradients_step_as_the_scheme(disk_tmp, edit):
+def test_zero_and_denormal_gradients_step_as_the_scheme(disk_tmp, edit, state):
     """All-zero gradients in a layer, gradients of ~1e-42 (denormals: no flush to zero may differ
     from the reference) and of ~1e-30 (their squares underflow): the scheme's steps, bit for bit."""
     factor = {"zero": 0.0, "denormal": 1e-40, "tiny": 1e-28}[edit]
-    ref, model, bases = twins(disk_tmp)
-    run_with_grads(ref, model, bases, lambda g: g * factor)
+    ref, model, reference = twins(disk_tmp, state)
+    run_with_grads(ref, model, reference, lambda g: g * factor)
     assert_same(ref, model)
 
 
@@ -338,7 +352,7 @@ def test_a_one_element_tail_block_steps_as_the_scheme(disk_tmp):
     bases = aligned_bases(ref, layout)
     tail = next(s for s in layout.slots if s.name == "17.gain")
     assert max(s.end for s in layout.slots if s.chunk == tail.chunk) == tail.end and tail.end % 256 == 1
-    want = train(ref, Param8AdamW(ref.parameters(), bases, lr=LR), 5)
+    want = train(ref, PerParamAdamW(ref.parameters(), bases, lr=LR), 5)
     assert train(model, offload.AdamW(model.parameters(), lr=LR), 5) == want
     assert_same(ref, model)
     assert float(model.state_dict()["17.gain"]) != 1.5
@@ -348,14 +362,14 @@ def test_a_nan_gradient_poisons_its_block_only(disk_tmp):
     """One NaN gradient element (fp32 compute: no overflow check skips the step). As the scheme
     says (``offload.optim.quantized``): that step's update is NaN only there, its block's scales
     become NaN (the poison is not lost to a finite code), every other block steps as before."""
-    ref, model, bases = twins(disk_tmp)
+    ref, model, reference = twins(disk_tmp)
 
     def nan_at_0(g):
         g = g.clone()
         g.view(-1)[0] = float("nan")
         return g
 
-    run_with_grads(ref, model, bases, nan_at_0, steps=2, edit_step=1)
+    run_with_grads(ref, model, reference, nan_at_0, steps=2, edit_step=1)
     sd = model.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(sd[name], p.detach(), rtol=0, atol=0, equal_nan=True, msg=name)
@@ -398,9 +412,10 @@ def test_a_huge_gradient_keeps_the_parameters_finite_as_torch_adamw_does(disk_tm
 
 # ---- scenario 4: zero_grad, step(closure), the optimizer's state dict mid-run ----------------
 
-def test_zero_grad_kept_and_step_with_a_closure_train_as_the_scheme(disk_tmp):
-    ref, model, bases = twins(disk_tmp)
-    ropt, opt = Param8AdamW(ref.parameters(), bases, lr=LR), offload.AdamW(model.parameters(), lr=LR)
+@pytest.mark.parametrize("state", STATES)
+def test_zero_grad_kept_and_step_with_a_closure_train_as_the_scheme(disk_tmp, state):
+    ref, model, reference = twins(disk_tmp, state)
+    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
     for step, (x, y) in enumerate(batches(4)):
         if step % 2:
             def closure():
@@ -427,8 +442,8 @@ def test_the_optimizers_own_state_dict_round_trip_requantises_as_documented(disk
     byte for byte; exp_avg comes back as the quantisation of what ``state_dict`` exported (held
     to Adam's bound, then through the map: README, "Optimizer state precision"), and training
     goes on as the scheme's from that state, bit for bit."""
-    ref, model, bases = twins(disk_tmp)
-    ropt, opt = Param8AdamW(ref.parameters(), bases, lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    ref, model, reference = twins(disk_tmp)
+    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
     train(ref, ropt, 3)
     train(model, opt, 3)
     engine = model.offload_engine
