@@ -146,6 +146,8 @@ class AdamW(CPUAdamW):
         # Whether clip_grad_norm_ comes between backward and step(): unknown (None) until the
         # first step has shown it; until then, and then if so, updates wait for step().
         self.clips_expected: bool | None = None
+        # Whether a hyper-parameter was seen set between backward and step(): then updates wait for it.
+        self.hypers_set_late = False
         grad_clip.install()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, **kwargs)
@@ -181,8 +183,9 @@ class AdamW(CPUAdamW):
 
     def defers_update(self) -> bool:
         """Whether this window's updates must wait for ``step()``: a global norm will be applied
-        (``max_grad_norm``, or a ``clip_grad_norm_`` call expected between backward and step)."""
-        return self.max_grad_norm is not None or self.clips_expected is not False
+        (``max_grad_norm``, or a ``clip_grad_norm_`` call expected between backward and step), or
+        hyper-parameters were seen set between backward and step (torch reads them at step)."""
+        return self.max_grad_norm is not None or self.clips_expected is not False or self.hypers_set_late
 
     def _before_step(self) -> None:
         try:

@@ -464,3 +464,49 @@ def test_the_optimizers_own_state_dict_round_trip_requantises_as_documented(disk
         st["m"], st["ma"] = reference_quantize(sd["state"][i]["exp_avg"].reshape(-1), True)
     assert train(model, opt, 3) == train(ref, ropt, 3)
     assert_same(ref, model)
+
+
+# ---- hyper-parameters set between backward and step() -------------------------------------
+
+def train_setting_lr_late(model, opt, steps, lr_at) -> None:
+    """Each step's lr is set after backward, just before ``step()`` (as a hand-written warm-up
+    may do); torch reads it at ``step()``."""
+    for step, (x, y) in enumerate(batches(steps)):
+        loss_of(model, x, y).backward()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_an_lr_set_between_backward_and_step_is_the_one_used(disk_tmp, state):
+    """A warm-up from LR / 5 set after backward. The engine overlaps updates with backward once
+    the first step shows nothing needs them to wait: the lr set after backward was ignored from
+    the second step on (the update had run with the lr read when backward began). The first step
+    now shows the lr changing after backward, and updates wait for step()."""
+    ref, model, reference = twins(disk_tmp, state)
+
+    def lr_at(step):
+        return LR * min(1.0, (step + 1) / 5)
+
+    train_setting_lr_late(ref, reference(ref.parameters(), lr=LR), 5, lr_at)
+    train_setting_lr_late(model, offload.AdamW(model.parameters(), lr=LR), 5, lr_at)
+    assert_same(ref, model)
+
+
+def test_an_lr_first_set_late_after_overlapped_steps_warns_then_is_followed(disk_tmp):
+    """The lr first changes after backward at the fourth step (of six), whose updates already ran during
+    backward with the lr read then: that step keeps it, says so (naming the group and field), and
+    the later ones wait for step() and use what it says."""
+    ref, model, reference = twins(disk_tmp)
+
+    def lr_at(step):
+        return LR if step < 3 else LR / 4
+
+    train_setting_lr_late(ref, reference(ref.parameters(), lr=LR), 6, lambda step: lr_at(step - 1))
+    opt = offload.AdamW(model.parameters(), lr=LR)
+    with pytest.warns(RuntimeWarning, match=r"param_groups\[0\]\['lr'\]"):
+        train_setting_lr_late(model, opt, 6, lr_at)
+    assert_same(ref, model)
+    assert opt.defers_update()
