@@ -243,14 +243,21 @@ class AdamW(CPUAdamW):
         ours = {i for entries in mine.values() for i, _ in entries}
         super().load_state_dict({**state_dict, "state": {i: st for i, st in state_dict["state"].items()
                                                          if i not in ours}})
-        for e, entries in mine.items():
+        # torch replaces the whole state: a parameter the dict has no state for starts afresh.
+        absent = self._wrapped_by_engine([i for i, _ in self._indexed() if i not in state_dict["state"]])
+        for e in {**mine, **absent}:
             e.chunks.drain()
             steps = list(e.chunks.step_state().adam_steps)
-            for i, p in entries:
+            given = {id(p): state_dict["state"][i] for i, p in mine.get(e, [])}
+            for i, p in mine.get(e, []):
                 steps[e.chunks.param(p).index] = int(float(state_dict["state"][i]["step"]))
+            cleared = [p for _, p in absent.get(e, []) if steps[e.chunks.param(p).index] > 0]
+            for p in cleared:
+                steps[e.chunks.param(p).index] = 0
             e.chunks.restore_step_state(adam_steps=steps)
+            zeros = {id(p): torch.zeros(e.chunks.param(p).slot.shape) for p in cleared}
             for kind in MOMENTS:
-                e.chunks.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
+                e.chunks.scatter({**{k: st[kind] for k, st in given.items()}, **zeros}, kinds=[kind])
 
     def _wrapped_by_engine(self, indices=None) -> dict:
         """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices`` (all by default)."""

@@ -510,3 +510,23 @@ def test_an_lr_first_set_late_after_overlapped_steps_warns_then_is_followed(disk
         train_setting_lr_late(model, opt, 6, lr_at)
     assert_same(ref, model)
     assert opt.defers_update()
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_loading_a_state_dict_without_a_parameters_state_starts_it_afresh(disk_tmp, state):
+    """Rolling back to a state dict taken before the first step (no state for any parameter):
+    torch's ``load_state_dict`` replaces the whole state, so every parameter starts again from step
+    1 with zero moments. The engine kept the steps and moments it had."""
+    import copy
+
+    ref, model, reference = twins(disk_tmp, state)
+    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    before, rbefore = opt.state_dict(), copy.deepcopy(ropt.state_dict())
+    assert before["state"] == {}
+    train(ref, ropt, 2)
+    train(model, opt, 2)
+    opt.load_state_dict(before)
+    ropt.load_state_dict(rbefore)
+    assert opt.state_dict()["state"] == {}
+    assert train(model, opt, 2) == train(ref, ropt, 2)
+    assert_same(ref, model)
