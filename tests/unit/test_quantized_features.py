@@ -1,13 +1,14 @@
-"""8-bit optimizer state under the optimizer's features, as a user drives them: param groups with
-their own lr / betas / eps / weight decay, ``add_param_group`` after wrapping, an lr scheduler,
-``maximize``, gradient accumulation, clipping, frozen parameters and parameters without a
-gradient in some steps, ``zero_grad`` / ``step(closure)``, and the optimizer's own state-dict
-round trip. Budgets below the state: every step reads and writes it through NVMe files.
+"""Compressed optimizer state (8-bit and bf16 moments) under the optimizer's features, as a user
+drives them: param groups with their own lr / betas / eps / weight decay, ``add_param_group``
+after wrapping, an lr scheduler, ``maximize``, hyper-parameters set between backward and step,
+gradient accumulation, clipping, an fp16 overflow, frozen parameters and parameters without a
+gradient in some steps. Budgets below the state: every step reads and writes it through NVMe.
 
 The reference is the scheme itself per parameter on plain PyTorch (``tests/helpers/param8.py``:
-the torch reference the native kernel is bit-identical to). The model's trainable parameters
+the torch reference the native kernels are bit-identical to). The model's trainable parameters
 fill whole 256-element blocks of their own, where the engine's step is that reference's bit
 for bit, so the runs are compared exactly (losses and parameters ``==``), not to a tolerance.
+(Edge values and the optimizer's state dict: ``test_quantized_features_state.py``.)
 """
 
 from __future__ import annotations
@@ -20,81 +21,10 @@ from torch import nn
 
 import offload
 from offload.errors import UnsupportedError
-from offload.optim.quantized import bound_moment, quantize, reference_dequantize, reference_quantize
+from offload.optim.quantized import quantize
+from tests.helpers.features8 import (LR, STATES, assert_same, batches, config, groups, loss_of, make_model,
+                                     nvme_bytes, train, twins)
 from tests.helpers.param8 import PerParamAdamW, aligned_bases
-
-LR = 1e-2
-
-
-def config(path, **kw) -> offload.OffloadConfig:
-    base = dict(device="cpu", dtype="fp32", device_budget="72KiB", cpu_budget="48KiB", nvme_paths=[str(path)],
-                chunk_size=2048, optimizer_state="8bit")
-    base.update(kw)
-    return offload.OffloadConfig(**base)
-
-
-def make_model(seed=0) -> nn.Sequential:
-    """Four 64x64 layers (each a chunk of its own) and five small ones sharing two 2048-element
-    chunks; every weight a whole number of 256-element blocks."""
-    torch.manual_seed(seed)
-    dims = [(64, 64)] * 4 + [(64, 16), (16, 16), (16, 16), (16, 16), (16, 64)]
-    layers = []
-    for a, b in dims:
-        layers += [nn.Linear(a, b, bias=False), nn.Tanh()]
-    return nn.Sequential(*layers[:-1])
-
-
-def twins(path, state="8bit", **kw):
-    """(reference model, wrapped model, its reference optimizer: ``reference(params, **hyper)``)."""
-    ref = make_model()
-    model = offload.wrap(make_model(), config(path, optimizer_state=state, **kw))
-    bases = aligned_bases(ref, model.offload_engine.chunks.layout)
-    return ref, model, functools.partial(PerParamAdamW, bases=bases, moments=state)
-
-
-def batches(n):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)) for _ in range(n)]
-
-
-def loss_of(model, x, y):
-    return (model(x) - y).pow(2).mean()
-
-
-def train(model, opt, steps, *, sched=None) -> list[float]:
-    losses = []
-    for x, y in batches(steps):
-        loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if sched is not None:
-            sched.step()
-    return losses
-
-
-def assert_same(ref, model) -> None:
-    sd = model.state_dict()
-    for name, p in ref.named_parameters():
-        assert torch.equal(sd[name], p.detach()), name
-
-
-def nvme_bytes(model) -> int:
-    return sum(v for k, v in model.offload_stats()["moved_bytes"].items() if "nvme" in k)
-
-
-def groups(params, split=(1, 5)):
-    """Three groups, each with its own lr, weight decay, betas and eps (Adam's bound on exp_avg,
-    K(beta1, beta2), differs in each: 7.27, 1.04 and 2.0)."""
-    a, b = split
-    return [dict(params=params[:a], lr=LR, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
-            dict(params=params[a:b], lr=3e-3, weight_decay=0.1, betas=(0.5, 0.6), eps=1e-6),
-            dict(params=params[b:], lr=2e-2, weight_decay=0.01, betas=(0.8, 0.9), eps=1e-3)]
-
-
-STATES = ["8bit", "bf16"]      # moments: block-wise 8-bit codes and scales, or bf16 by stochastic rounding
-
 
 # ---- scenario 1: param groups, add_param_group, schedulers, maximize, amsgrad ---------------
 
@@ -307,165 +237,6 @@ def test_frozen_and_idle_parameters_keep_their_state(disk_tmp, state):
         for k in engine.store.records if k[0] == "exp_avg")
 
 
-# ---- scenario 3: edge values -------------------------------------------------------------
-
-def run_with_grads(ref, model, reference, edit, steps=4, edit_step=1):
-    """Train both, ``edit`` (a gradient hook) applied to the first layer's gradient at ``edit_step``."""
-    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
-    for step, (x, y) in enumerate(batches(steps)):
-        for m, o in ((ref, ropt), (model, opt)):
-            hook = m[0].weight.register_hook(edit) if step == edit_step else None
-            loss_of(m, x, y).backward()
-            o.step()
-            o.zero_grad()
-            if hook is not None:
-                hook.remove()
-
-
-@pytest.mark.parametrize("state", STATES)
-@pytest.mark.parametrize("edit", ["zero", "denormal", "tiny"])
-def test_zero_and_denormal_gradients_step_as_the_scheme(disk_tmp, edit, state):
-    """All-zero gradients in a layer, gradients of ~1e-42 (denormals: no flush to zero may differ
-    from the reference) and of ~1e-30 (their squares underflow): the scheme's steps, bit for bit."""
-    factor = {"zero": 0.0, "denormal": 1e-40, "tiny": 1e-28}[edit]
-    ref, model, reference = twins(disk_tmp, state)
-    run_with_grads(ref, model, reference, lambda g: g * factor)
-    assert_same(ref, model)
-
-
-def test_a_one_element_tail_block_steps_as_the_scheme(disk_tmp):
-    """A last trainable parameter of one element: its block holds it and 255 elements of padding."""
-    class Gain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gain = nn.Parameter(torch.full((1,), 1.5))
-
-        def forward(self, x):
-            return x * self.gain
-
-    def gained():
-        return nn.Sequential(*make_model(), Gain())
-
-    ref = gained()
-    model = offload.wrap(gained(), config(disk_tmp))
-    layout = model.offload_engine.chunks.layout
-    bases = aligned_bases(ref, layout)
-    tail = next(s for s in layout.slots if s.name == "17.gain")
-    assert max(s.end for s in layout.slots if s.chunk == tail.chunk) == tail.end and tail.end % 256 == 1
-    want = train(ref, PerParamAdamW(ref.parameters(), bases, lr=LR), 5)
-    assert train(model, offload.AdamW(model.parameters(), lr=LR), 5) == want
-    assert_same(ref, model)
-    assert float(model.state_dict()["17.gain"]) != 1.5
-
-
-def test_a_nan_gradient_poisons_its_block_only(disk_tmp):
-    """One NaN gradient element (fp32 compute: no overflow check skips the step). As the scheme
-    says (``offload.optim.quantized``): that step's update is NaN only there, its block's scales
-    become NaN (the poison is not lost to a finite code), every other block steps as before."""
-    ref, model, reference = twins(disk_tmp)
-
-    def nan_at_0(g):
-        g = g.clone()
-        g.view(-1)[0] = float("nan")
-        return g
-
-    run_with_grads(ref, model, reference, nan_at_0, steps=2, edit_step=1)
-    sd = model.state_dict()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(sd[name], p.detach(), rtol=0, atol=0, equal_nan=True, msg=name)
-    w = sd["0.weight"].view(-1)
-    assert bool(w[0].isnan()) and bool(w[1:].isfinite().all())
-    engine = model.offload_engine
-    engine.chunks.drain()
-    c = engine.chunks.param(model[0].weight).slot.chunk
-    for kind in ("exp_avg_absmax", "exp_avg_sq_absmax"):
-        scales = engine.store.read((kind, c))
-        assert bool(scales[0].isnan()) and bool(scales[1:].isfinite().all()), kind
-
-
-@pytest.mark.xfail(strict=True, reason="a gradient above ~1.8e19 overflows exp_avg_sq to inf: torch AdamW "
-                   "then leaves that parameter where it is (update m / inf = 0) and trains on, but the 8-bit "
-                   "state stores a block holding an inf as a NaN scale, so on the next step all 256 "
-                   "parameters of the block turn NaN (and the whole model with them); saturating an inf "
-                   "moment needs a change in every SIMD kernel's quantiser and the reference")
-def test_a_huge_gradient_keeps_the_parameters_finite_as_torch_adamw_does(disk_tmp):
-    ref, model, _ = twins(disk_tmp)
-    ropt, opt = torch.optim.AdamW(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
-
-    def huge_at_0(g):
-        g = g.clone()
-        g.view(-1)[0] = 1e30
-        return g
-
-    for step, (x, y) in enumerate(batches(3)):
-        for m, o in ((ref, ropt), (model, opt)):
-            hook = m[0].weight.register_hook(huge_at_0) if step == 1 else None
-            loss_of(m, x, y).backward()
-            o.step()
-            o.zero_grad()
-            if hook is not None:
-                hook.remove()
-    assert all(bool(p.isfinite().all()) for p in ref.parameters())     # torch's
-    sd = model.state_dict()
-    assert all(bool(v.isfinite().all()) for v in sd.values()), [k for k, v in sd.items() if not v.isfinite().all()]
-
-
-# ---- scenario 4: zero_grad, step(closure), the optimizer's state dict mid-run ----------------
-
-@pytest.mark.parametrize("state", STATES)
-def test_zero_grad_kept_and_step_with_a_closure_train_as_the_scheme(disk_tmp, state):
-    ref, model, reference = twins(disk_tmp, state)
-    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
-    for step, (x, y) in enumerate(batches(4)):
-        if step % 2:
-            def closure():
-                opt.zero_grad(set_to_none=False)
-                loss = loss_of(model, x, y)
-                loss.backward()
-                return loss
-            got = opt.step(closure)
-        else:
-            got = loss_of(model, x, y)
-            got.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        want = loss_of(ref, x, y)
-        want.backward()
-        ropt.step()
-        ropt.zero_grad()
-        assert got.item() == want.item()
-    assert_same(ref, model)
-
-
-def test_the_optimizers_own_state_dict_round_trip_requantises_as_documented(disk_tmp):
-    """``opt.load_state_dict(opt.state_dict())`` mid-run: exp_avg_sq's codes and scales come back
-    byte for byte; exp_avg comes back as the quantisation of what ``state_dict`` exported (held
-    to Adam's bound, then through the map: README, "Optimizer state precision"), and training
-    goes on as the scheme's from that state, bit for bit."""
-    ref, model, reference = twins(disk_tmp)
-    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
-    train(ref, ropt, 3)
-    train(model, opt, 3)
-    engine = model.offload_engine
-    engine.chunks.drain()
-    before = {k: engine.store.read(k).clone() for k in engine.store.records if k[0].startswith("exp_avg_sq")}
-    sd = opt.state_dict()
-    opt.load_state_dict(sd)
-    engine.chunks.drain()
-    for k, v in before.items():
-        assert torch.equal(engine.store.read(k), v), k
-    for i, p in enumerate(ref.parameters()):
-        st = ropt.state[p]
-        m = reference_dequantize(st["m"], st["ma"], True)
-        v = reference_dequantize(st["v"], st["va"], False)
-        assert torch.equal(sd["state"][i]["exp_avg_sq"].reshape(-1), v)
-        assert int(sd["state"][i]["step"]) == st["step"] == 3
-        assert torch.equal(sd["state"][i]["exp_avg"].reshape(-1), bound_moment(m, v, 0.9, 0.999))
-        st["m"], st["ma"] = reference_quantize(sd["state"][i]["exp_avg"].reshape(-1), True)
-    assert train(model, opt, 3) == train(ref, ropt, 3)
-    assert_same(ref, model)
-
-
 # ---- hyper-parameters set between backward and step() -------------------------------------
 
 def train_setting_lr_late(model, opt, steps, lr_at) -> None:
@@ -513,20 +284,26 @@ def test_an_lr_first_set_late_after_overlapped_steps_warns_then_is_followed(disk
 
 
 @pytest.mark.parametrize("state", STATES)
-def test_loading_a_state_dict_without_a_parameters_state_starts_it_afresh(disk_tmp, state):
-    """Rolling back to a state dict taken before the first step (no state for any parameter):
-    torch's ``load_state_dict`` replaces the whole state, so every parameter starts again from step
-    1 with zero moments. The engine kept the steps and moments it had."""
-    import copy
-
-    ref, model, reference = twins(disk_tmp, state)
-    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
-    before, rbefore = opt.state_dict(), copy.deepcopy(ropt.state_dict())
-    assert before["state"] == {}
-    train(ref, ropt, 2)
-    train(model, opt, 2)
-    opt.load_state_dict(before)
-    ropt.load_state_dict(rbefore)
-    assert opt.state_dict()["state"] == {}
-    assert train(model, opt, 2) == train(ref, ropt, 2)
+def test_bf16_parameters_as_the_master_follow_groups_and_a_late_lr(disk_tmp, state):
+    """bf16 compute with ``master="bf16"``: the parameters are the master, rounded stochastically
+    in place. Three param groups, each lr lowered after backward every step: the scheme's steps."""
+    ref = make_model().to(torch.bfloat16)
+    model = offload.wrap(make_model(), config(disk_tmp, optimizer_state=state, dtype="bf16", master="bf16"))
+    reference = functools.partial(PerParamAdamW, bases=aligned_bases(ref, model.offload_engine.chunks.layout),
+                                  moments=state)
+    runs = []
+    for m, opt in ((ref, reference(groups(list(ref.parameters())))),
+                   (model, offload.AdamW(groups(list(model.parameters())), state=state, master="bf16"))):
+        losses = []
+        for x, y in batches(5):
+            loss = loss_of(m, x.bfloat16(), y.bfloat16()).float()
+            loss.backward()
+            for g in opt.param_groups:
+                g["lr"] *= 0.9
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append(losses)
+    assert runs[0] == runs[1]
     assert_same(ref, model)
+    assert "master" not in {k[0] for k in model.offload_engine.store.records}
