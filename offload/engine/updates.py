@@ -65,13 +65,13 @@ class UpdateQueue:
     def changed_since_read(self, param_groups) -> list[str]:
         """``"param_groups[i]['field']"`` for each hyper-parameter that differs from what the last
         ``refresh_hypers`` read (a user may set the lr between backward and ``step()``)."""
-        out = []
+        out: dict[str, None] = {}       # ordered, once each (both betas are one key)
         for gi, (group, was) in enumerate(zip(param_groups, self._groups)):
             now = hyper_of(group)
             for field, key in HYPER_KEYS.items():
                 if getattr(now, field) != getattr(was, field):
-                    out.append(f"param_groups[{gi}][{key!r}]")
-        return out
+                    out[f"param_groups[{gi}][{key!r}]"] = None
+        return list(out)
 
     def runs(self, c: int):
         return self.adam.runs(c, self.progress.with_grad, self._hyper_of)
