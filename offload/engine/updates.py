@@ -66,6 +66,8 @@ class UpdateQueue:
         """``"param_groups[i]['field']"`` for each hyper-parameter that differs from what the last
         ``refresh_hypers`` read (a user may set the lr between backward and ``step()``)."""
         out: dict[str, None] = {}       # ordered, once each (both betas are one key)
+        if self._groups and len(param_groups) != len(self._groups):
+            out[f"param_groups (a group added: {len(self._groups)} -> {len(param_groups)})"] = None
         for gi, (group, was) in enumerate(zip(param_groups, self._groups)):
             now = hyper_of(group)
             for field, key in HYPER_KEYS.items():

@@ -307,3 +307,22 @@ def test_bf16_parameters_as_the_master_follow_groups_and_a_late_lr(disk_tmp, sta
     assert runs[0] == runs[1]
     assert_same(ref, model)
     assert "master" not in {k[0] for k in model.offload_engine.store.records}
+
+
+def test_a_group_added_between_backward_and_step_warns_then_trains(disk_tmp):
+    """Added after backward while the updates overlapped it: that step's gradients of its
+    parameters were not used (torch would use them). It says so; the group trains from then on."""
+    model = offload.wrap(make_model(), config(disk_tmp))
+    params = list(model.parameters())
+    opt = offload.AdamW(params[:4], lr=LR)
+    for step, (x, y) in enumerate(batches(5)):
+        loss_of(model, x, y).backward()
+        if step == 2:
+            before = model.state_dict()["16.weight"].clone()
+            with pytest.warns(RuntimeWarning, match=r"a group added: 1 -> 2"):
+                opt.add_param_group(dict(params=params[4:], lr=3e-3))
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert not torch.equal(model.state_dict()["16.weight"], before)
