@@ -256,7 +256,7 @@ class AdamW(CPUAdamW):
                 steps[e.chunks.param(p).index] = 0
             e.chunks.restore_step_state(adam_steps=steps)
             zeros = {id(p): torch.zeros(e.chunks.param(p).slot.shape) for p in cleared}
-            for kind in MOMENTS:
+            for kind in MOMENTS if given or zeros else ():
                 e.chunks.scatter({**{k: st[kind] for k, st in given.items()}, **zeros}, kinds=[kind])
 
     def _wrapped_by_engine(self, indices=None) -> dict:
