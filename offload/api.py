@@ -115,6 +115,20 @@ def _check_precision(config: OffloadConfig, state: str | None, master: str | Non
                                            f"OffloadConfig({field}={given!r}) to train with {given} {name}")
 
 
+def _refuse_thawed(params) -> None:
+    """A wrapped parameter that requires a gradient now but was frozen when its model was wrapped:
+    its chunk was laid out without gradient, master or moments, so it would never be updated."""
+    for p in params:
+        e = engine_of(p) if p.requires_grad else None
+        info = e.chunks.param(p) if e is not None else None
+        if info is not None and not e.chunks.layout.trainable[info.slot.chunk]:
+            raise ConfigError(info.slot.name, "requires_grad=True",
+                              "was frozen (requires_grad=False) when the model was wrapped, so its chunk holds "
+                              "no gradient, master or moments and it cannot be trained: wrap it with "
+                              "requires_grad=True and freeze it after offload.wrap (its chunk then stays "
+                              "trainable until it is thawed)")
+
+
 class AdamW(CPUAdamW):
     """AdamW for offloaded models (and, for any other CPU parameters, ``CPUAdamW``).
 
@@ -174,6 +188,11 @@ class AdamW(CPUAdamW):
         """As torch's; a group of wrapped parameters is updated by their engine from the next step
         (the engine maps each parameter to its group when the optimizer is attached: without a
         new attach it would leave the new group's parameters unchanged, silently)."""
+        params = param_group["params"]
+        if not isinstance(params, set):     # torch refuses sets (unordered) itself
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            _refuse_thawed(params)
+            param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
         if hasattr(self, "_engines"):       # torch's __init__ adds the first groups before ours runs
             self._attach_engines()
@@ -188,6 +207,7 @@ class AdamW(CPUAdamW):
         return self.max_grad_norm is not None or self.clips_expected is not False or self.hypers_set_late
 
     def _before_step(self) -> None:
+        _refuse_thawed(p for g in self.param_groups for p in g["params"])
         try:
             for e in self._engines:
                 e.step()

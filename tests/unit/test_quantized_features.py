@@ -326,3 +326,43 @@ def test_a_group_added_between_backward_and_step_warns_then_trains(disk_tmp):
             opt.step()
         opt.zero_grad()
     assert not torch.equal(model.state_dict()["16.weight"], before)
+
+
+def test_thawing_a_parameter_frozen_at_wrap_is_refused_naming_it(disk_tmp):
+    """A parameter frozen (``requires_grad=False``) when the model was wrapped lives in a chunk with
+    no gradient, master or moments. Thawed later and handed to the optimizer it was silently never
+    trained; both ways of handing it over now say why."""
+    from offload.errors import ConfigError
+
+    m = make_model()
+    m[2].weight.requires_grad_(False)
+    model = offload.wrap(m, config(disk_tmp))
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    train(model, opt, 1)
+    model[2].weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"2\.weight.*frozen.*offload\.wrap"):
+        opt.add_param_group(dict(params=[model[2].weight]))
+    assert len(opt.param_groups) == 1
+    m = make_model()
+    m[2].weight.requires_grad_(False)
+    frozen = offload.wrap(m, config(disk_tmp / "b"))
+    opt = offload.AdamW(frozen.parameters(), lr=LR)     # frozen ones included, as torch allows
+    train(frozen, opt, 1)
+    frozen[2].weight.requires_grad_(True)
+    loss_of(frozen, *batches(1)[0]).backward()
+    with pytest.raises(ConfigError, match=r"2\.weight.*frozen.*offload\.wrap"):
+        opt.step()
+
+
+def test_freezing_after_wrap_then_thawing_trains_as_the_scheme(disk_tmp):
+    """What the refusal above advises: wrapped trainable, frozen after wrapping for two steps (no
+    gradient: its state is kept), thawed: the scheme's steps throughout."""
+    ref, model, reference = twins(disk_tmp)
+    ropt, opt = reference(ref.parameters(), lr=LR), offload.AdamW(model.parameters(), lr=LR)
+    for step, (x, y) in enumerate(batches(5)):
+        for m, o in ((ref, ropt), (model, opt)):
+            m[2].weight.requires_grad_(step not in (1, 2))
+            loss_of(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(ref, model)
