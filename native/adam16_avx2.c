@@ -8,6 +8,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
+#include <math.h>
 
 #include "adam16_internal.h"
 #include "simd_avx2.h"
@@ -38,10 +39,11 @@ INLINE void step8(const off__adam16_consts *c, void *master, int master_dtype, c
     else if (k->mode == OFF__WD_L2)
         g = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(k->l2), p));
     __m256 m = load8(mb, moment_dtype, i);
-    __m256 v = load8(vb, moment_dtype, i);
+    __m256 v0 = load8(vb, moment_dtype, i), gg = _mm256_mul_ps(g, g);
     m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta1), _mm256_sub_ps(g, m)));
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta2),
-                                       _mm256_sub_ps(_mm256_mul_ps(g, g), v)));
+    __m256 v = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_set1_ps(k->one_minus_beta2), _mm256_sub_ps(gg, v0)));
+    /* +inf stays +inf (adam_scalar.c) */
+    v = _mm256_blendv_ps(v, _mm256_add_ps(v0, gg), _mm256_cmp_ps(v0, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
     __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c->eps_bc2));
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_bc2), m), denom));
 

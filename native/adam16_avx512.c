@@ -8,6 +8,7 @@
 #pragma GCC target("avx512f,avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
+#include <math.h>
 
 #include "adam16_internal.h"
 #include "simd_avx512.h"
@@ -38,10 +39,11 @@ INLINE void step16(const off__adam16_consts *c, void *master, int master_dtype, 
     else if (k->mode == OFF__WD_L2)
         g = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(k->l2), p));
     __m512 m = load16(mb, moment_dtype, i);
-    __m512 v = load16(vb, moment_dtype, i);
+    __m512 v0 = load16(vb, moment_dtype, i), gg = _mm512_mul_ps(g, g);
     m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(k->one_minus_beta1), _mm512_sub_ps(g, m)));
-    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(k->one_minus_beta2),
-                                       _mm512_sub_ps(_mm512_mul_ps(g, g), v)));
+    __m512 v = _mm512_add_ps(v0, _mm512_mul_ps(_mm512_set1_ps(k->one_minus_beta2), _mm512_sub_ps(gg, v0)));
+    /* +inf stays +inf (adam_scalar.c) */
+    v = _mm512_mask_add_ps(v, _mm512_cmp_ps_mask(v0, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), v0, gg);
     __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c->eps_bc2));
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_bc2), m), denom));
 

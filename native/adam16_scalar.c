@@ -53,7 +53,7 @@ void off__adam16_scalar(const off__adam16_consts *c, const off__adam16_io *io, l
         float m = load(io->m, io->moment_dtype, i);
         float v = load(io->v, io->moment_dtype, i);
         m = m + k->one_minus_beta1 * (g - m);
-        v = v + k->one_minus_beta2 * (g * g - v);
+        v = v == INFINITY ? v + g * g : v + k->one_minus_beta2 * (g * g - v);   /* +inf stays (adam_scalar.c) */
         float denom = sqrtf(v) + c->eps_bc2;
         p = p - (c->step_bc2 * m) / denom;
 

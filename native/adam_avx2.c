@@ -9,6 +9,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
+#include <math.h>
 
 #include "adam_internal.h"
 #include "simd_avx2.h"
@@ -35,9 +36,10 @@ INLINE void step8(const off__adam_consts *c, float *param, const void *grad, int
         g = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(c->l2), p));
     __m256 m = _mm256_loadu_ps(exp_avg + i);
     m = _mm256_add_ps(m, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta1), _mm256_sub_ps(g, m)));
-    __m256 v = _mm256_loadu_ps(exp_avg_sq + i);
-    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2),
-                                       _mm256_sub_ps(_mm256_mul_ps(g, g), v)));
+    __m256 v0 = _mm256_loadu_ps(exp_avg_sq + i), gg = _mm256_mul_ps(g, g);
+    __m256 v = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2), _mm256_sub_ps(gg, v0)));
+    /* +inf stays +inf (adam_scalar.c) */
+    v = _mm256_blendv_ps(v, _mm256_add_ps(v0, gg), _mm256_cmp_ps(v0, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(c->bc2_sqrt)),
                                  _mm256_set1_ps(c->eps));
     p = _mm256_sub_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->step_size), m), denom));

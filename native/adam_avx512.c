@@ -8,6 +8,7 @@
 #pragma GCC target("avx512f,avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
+#include <math.h>
 
 #include "adam_internal.h"
 #include "simd_avx512.h"
@@ -30,9 +31,10 @@ INLINE void math16(const off__adam_consts *c, __m512 g, __m512 *pp, __m512 *mp, 
         g = _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(c->l2), p));
     __m512 m = *mp;
     m = _mm512_add_ps(m, _mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta1), _mm512_sub_ps(g, m)));
-    __m512 v = *vp;
-    v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta2),
-                                       _mm512_sub_ps(_mm512_mul_ps(g, g), v)));
+    __m512 v0 = *vp, gg = _mm512_mul_ps(g, g);
+    __m512 v = _mm512_add_ps(v0, _mm512_mul_ps(_mm512_set1_ps(c->one_minus_beta2), _mm512_sub_ps(gg, v0)));
+    /* +inf stays +inf (adam_scalar.c) */
+    v = _mm512_mask_add_ps(v, _mm512_cmp_ps_mask(v0, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ), v0, gg);
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(c->bc2_sqrt)),
                                  _mm512_set1_ps(c->eps));
     p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->step_size), m), denom));

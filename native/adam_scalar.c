@@ -42,7 +42,9 @@ void off__adam_scalar(const off__adam_consts *c, float *param, const void *grad,
         float m = exp_avg[i];
         m = m + c->one_minus_beta1 * (g - m);
         float v = exp_avg_sq[i];
-        v = v + c->one_minus_beta2 * (g * g - v);
+        /* An exp_avg_sq that overflowed to +inf stays +inf, as torch's beta2 * v + (1 - beta2) g^2
+         * keeps it (that parameter stops moving); this form alone would give inf - inf = NaN. */
+        v = v == INFINITY ? v + g * g : v + c->one_minus_beta2 * (g * g - v);
         float denom = sqrtf(v) / c->bc2_sqrt + c->eps;
         p = p - (c->step_size * m) / denom;
         param[i] = p;

@@ -115,6 +115,20 @@ def _check_precision(config: OffloadConfig, state: str | None, master: str | Non
                                            f"OffloadConfig({field}={given!r}) to train with {given} {name}")
 
 
+def _refuse_thawed(params) -> None:
+    """A wrapped parameter that requires a gradient now but was frozen when its model was wrapped:
+    its chunk was laid out without gradient, master or moments, so it would never be updated."""
+    for p in params:
+        e = engine_of(p) if p.requires_grad else None
+        info = e.chunks.param(p) if e is not None else None
+        if info is not None and not e.chunks.layout.trainable[info.slot.chunk]:
+            raise ConfigError(info.slot.name, "requires_grad=True",
+                              "was frozen (requires_grad=False) when the model was wrapped, so its chunk holds "
+                              "no gradient, master or moments and it cannot be trained: wrap it with "
+                              "requires_grad=True and freeze it after offload.wrap (its chunk then stays "
+                              "trainable until it is thawed)")
+
+
 class AdamW(CPUAdamW):
     """AdamW for offloaded models (and, for any other CPU parameters, ``CPUAdamW``).
 
@@ -146,29 +160,54 @@ class AdamW(CPUAdamW):
         # Whether clip_grad_norm_ comes between backward and step(): unknown (None) until the
         # first step has shown it; until then, and then if so, updates wait for step().
         self.clips_expected: bool | None = None
+        # Whether a hyper-parameter was seen set between backward and step(): then updates wait for it.
+        self.hypers_set_late = False
         grad_clip.install()
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, **kwargs)
+        self._precision = (state, master)
         self._engines: list[OffloadEngine] = []
+        self._attach_engines()
+
+    def _attach_engines(self) -> None:
+        """Attach the engines of the wrapped parameters in ``param_groups``; each (re)reads which
+        group each of its parameters is in."""
+        engines = list(self._engines)
         for group in self.param_groups:
             for p in group["params"]:
                 e = engine_of(p)
-                if e is not None and e not in self._engines:
-                    self._engines.append(e)
-        for e in self._engines:
-            _check_precision(e.config, state, master)
-        for e in self._engines:
+                if e is not None and e not in engines:
+                    engines.append(e)
+        for e in engines[len(self._engines):]:
+            _check_precision(e.config, *self._precision)
+        self._engines = engines
+        for e in engines:
             e.attach_optimizer(self)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's; a group of wrapped parameters is updated by their engine from the next step
+        (the engine maps each parameter to its group when the optimizer is attached: without a
+        new attach it would leave the new group's parameters unchanged, silently)."""
+        params = param_group["params"]
+        if not isinstance(params, set):     # torch refuses sets (unordered) itself
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            _refuse_thawed(params)
+            param_group = {**param_group, "params": params}
+        super().add_param_group(param_group)
+        if hasattr(self, "_engines"):       # torch's __init__ adds the first groups before ours runs
+            self._attach_engines()
 
     def _updated_elsewhere(self, p) -> bool:
         return engine_of(p) is not None
 
     def defers_update(self) -> bool:
         """Whether this window's updates must wait for ``step()``: a global norm will be applied
-        (``max_grad_norm``, or a ``clip_grad_norm_`` call expected between backward and step)."""
-        return self.max_grad_norm is not None or self.clips_expected is not False
+        (``max_grad_norm``, or a ``clip_grad_norm_`` call expected between backward and step), or
+        hyper-parameters were seen set between backward and step (torch reads them at step)."""
+        return self.max_grad_norm is not None or self.clips_expected is not False or self.hypers_set_late
 
     def _before_step(self) -> None:
+        _refuse_thawed(p for g in self.param_groups for p in g["params"])
         try:
             for e in self._engines:
                 e.step()
@@ -224,14 +263,21 @@ class AdamW(CPUAdamW):
         ours = {i for entries in mine.values() for i, _ in entries}
         super().load_state_dict({**state_dict, "state": {i: st for i, st in state_dict["state"].items()
                                                          if i not in ours}})
-        for e, entries in mine.items():
+        # torch replaces the whole state: a parameter the dict has no state for starts afresh.
+        absent = self._wrapped_by_engine([i for i, _ in self._indexed() if i not in state_dict["state"]])
+        for e in {**mine, **absent}:
             e.chunks.drain()
             steps = list(e.chunks.step_state().adam_steps)
-            for i, p in entries:
+            given = {id(p): state_dict["state"][i] for i, p in mine.get(e, [])}
+            for i, p in mine.get(e, []):
                 steps[e.chunks.param(p).index] = int(float(state_dict["state"][i]["step"]))
+            cleared = [p for _, p in absent.get(e, []) if steps[e.chunks.param(p).index] > 0]
+            for p in cleared:
+                steps[e.chunks.param(p).index] = 0
             e.chunks.restore_step_state(adam_steps=steps)
-            for kind in MOMENTS:
-                e.chunks.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
+            zeros = {id(p): torch.zeros(e.chunks.param(p).slot.shape) for p in cleared}
+            for kind in MOMENTS if given or zeros else ():
+                e.chunks.scatter({**{k: st[kind] for k, st in given.items()}, **zeros}, kinds=[kind])
 
     def _wrapped_by_engine(self, indices=None) -> dict:
         """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices`` (all by default)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 
@@ -127,7 +128,8 @@ class StepPipeline:
         p.final_micro_batch = p.micro_batches + 1 >= self.config.gradient_accumulation_steps
         p.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
                    and not self.optimizer.defers_update() and p.final_micro_batch)
-        if p.eager:
+        if self.optimizer is not None and p.final_micro_batch:
+            # Read here also when the update waits: step() then sees whether they change after backward.
             self.updates.refresh_hypers(self.optimizer.param_groups)
         p.parked = self.parking.choose() if p.eager and self.spills else set()
 
@@ -177,6 +179,8 @@ class StepPipeline:
         else:
             self.adam.drain()
         self.drop_gathered()            # the ranks update their pieces now
+        if p.micro_batches:             # a backward began this window (and read the hyper-parameters)
+            self._hypers_set_late(p.applied)
         applied = True
         clip = self.optimizer.clip_this_step     # (max_norm, global norm) of a clip_grad_norm_ call
         max_norm = self.optimizer.max_grad_norm if clip is None else clip[0]
@@ -216,6 +220,20 @@ class StepPipeline:
         p.micro_batches = 0
         p.updated_chunks = set()
         return applied
+
+    def _hypers_set_late(self, applied: bool) -> None:
+        """Hyper-parameters set between backward and step() (torch reads them at step()): from now
+        on updates wait for step(); when this window's already ran during backward, say so."""
+        late = self.updates.changed_since_read(self.optimizer.param_groups)
+        if not late:
+            return
+        self.optimizer.hypers_set_late = True
+        if applied:
+            warnings.warn(f"offload: {', '.join(late)} changed between backward and optimizer.step(), after "
+                          f"this step's updates had run during backward with the values read when it "
+                          f"began; they apply from the next step, whose updates now wait for step() (set "
+                          f"hyper-parameters before backward, e.g. scheduler.step() after "
+                          f"optimizer.step(), to keep the overlap)", RuntimeWarning, stacklevel=4)
 
     def zero_grad(self) -> None:
         self.adam.raise_error()

@@ -24,6 +24,10 @@ from ..scheduler import NextUsePolicy
 from .progress import StepProgress
 from .stepper import ChunkAdam, hyper_of
 
+# Hyper's fields and the param group keys they are read from (for messages).
+HYPER_KEYS = {"lr": "lr", "beta1": "betas", "beta2": "betas", "eps": "eps", "weight_decay": "weight_decay",
+              "decoupled": "decoupled_weight_decay", "maximize": "maximize"}
+
 
 class UpdateQueue:
     """Submits chunk updates to ``adam`` with their parameters' hyper-parameters and step counts.
@@ -42,6 +46,7 @@ class UpdateQueue:
         self.forward_waited = forward_waited
         self._group_of: dict[int, int] = {}     # parameter index -> its optimizer param group
         self._hyper_of: dict = {}
+        self._groups: list = []                 # each group's Hyper, as refresh_hypers last read it
 
     def attach(self, optimizer) -> None:
         """Take the param groups of ``optimizer`` (the wrapped model's parameters among them)."""
@@ -54,8 +59,21 @@ class UpdateQueue:
     def refresh_hypers(self, param_groups) -> None:
         """Read lr and friends from the param groups once (a scheduler may have changed them);
         every chunk updated until the next refresh uses these."""
-        groups = [hyper_of(g) for g in param_groups]
-        self._hyper_of = {i: groups[gi] for i, gi in self._group_of.items()}
+        self._groups = [hyper_of(g) for g in param_groups]
+        self._hyper_of = {i: self._groups[gi] for i, gi in self._group_of.items()}
+
+    def changed_since_read(self, param_groups) -> list[str]:
+        """``"param_groups[i]['field']"`` for each hyper-parameter that differs from what the last
+        ``refresh_hypers`` read (a user may set the lr between backward and ``step()``)."""
+        out: dict[str, None] = {}       # ordered, once each (both betas are one key)
+        if self._groups and len(param_groups) != len(self._groups):
+            out[f"param_groups (a group added: {len(self._groups)} -> {len(param_groups)})"] = None
+        for gi, (group, was) in enumerate(zip(param_groups, self._groups)):
+            now = hyper_of(group)
+            for field, key in HYPER_KEYS.items():
+                if getattr(now, field) != getattr(was, field):
+                    out[f"param_groups[{gi}][{key!r}]"] = None
+        return list(out)
 
     def runs(self, c: int):
         return self.adam.runs(c, self.progress.with_grad, self._hyper_of)

@@ -295,7 +295,8 @@ def reference_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, d
     elif weight_decay != 0.0:
         g = g + _f32(weight_decay) * p
     m = m + _f32(1.0 - beta1) * (g - m)
-    v = v + _f32(1.0 - beta2) * (g * g - v)
+    # an exp_avg_sq at +inf (g^2 overflowed) stays +inf, as torch's beta2 * v + ... keeps it
+    v = torch.where(v == math.inf, v + g * g, v + _f32(1.0 - beta2) * (g * g - v))
     # the denominator's bias correction folded into two constants, as the kernels do
     bc2_sqrt = math.sqrt(1.0 - beta2 ** float(step))
     step_bc2 = lr / (1.0 - beta1 ** float(step)) * bc2_sqrt
