@@ -18,6 +18,7 @@ from .engine import OffloadEngine
 from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
 from .hf.accelerate_ranks import mark_data_parallel
+from .hf.peft_adapters import keep_adapters_in_place
 from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, scalar_dtype
 from .optim.quantized import bound_moment
@@ -92,6 +93,8 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     model.offload_stats = engine.stats
     # Under N ranks the engine averages gradients itself: accelerate and Trainer must not add DDP.
     mark_data_parallel(model, chunks.sharding.world if chunks.sharding is not None else 1)
+    # HF Trainer resumes a PeftModel by load_adapter, which would swap in new adapter parameters.
+    keep_adapters_in_place(model)
     return model
 
 
