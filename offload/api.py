@@ -218,8 +218,9 @@ class AdamW(CPUAdamW):
                     m, v = moments["exp_avg"][id(p)], moments["exp_avg_sq"][id(p)]
                     moments["exp_avg"][id(p)] = bound_moment(m, v, *betas[id(p)])
             for i, p, step in stepped:
+                # fp32 at every precision, as torch.optim.AdamW's (bf16 moments gather as bf16).
                 sd["state"][i] = {"step": torch.tensor(float(step), dtype=scalar_dtype(), device="cpu"),
-                                  **{kind: moments[kind][id(p)] for kind in MOMENTS}}
+                                  **{kind: moments[kind][id(p)].float() for kind in MOMENTS}}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -227,14 +228,21 @@ class AdamW(CPUAdamW):
         ours = {i for entries in mine.values() for i, _ in entries}
         super().load_state_dict({**state_dict, "state": {i: st for i, st in state_dict["state"].items()
                                                          if i not in ours}})
-        for e, entries in mine.items():
+        for e, everyone in self._wrapped_by_engine().items():
+            entries = mine.get(e, [])
+            # As torch's load replaces the whole state: a parameter without an entry starts afresh
+            # rather than keeping the moments and step count it had before the load.
+            fresh = [p for i, p in everyone if i not in ours]
             e.chunks.drain()
             steps = list(e.chunks.step_state().adam_steps)
             for i, p in entries:
                 steps[e.chunks.param(p).index] = int(float(state_dict["state"][i]["step"]))
+            for p in fresh:
+                steps[e.chunks.param(p).index] = 0
             e.chunks.restore_step_state(adam_steps=steps)
+            zeros = {id(p): torch.zeros(e.chunks.param(p).slot.numel) for p in fresh}
             for kind in MOMENTS:
-                e.chunks.scatter({id(p): state_dict["state"][i][kind] for i, p in entries}, kinds=[kind])
+                e.chunks.scatter({**zeros, **{id(p): state_dict["state"][i][kind] for i, p in entries}}, kinds=[kind])
 
     def _wrapped_by_engine(self, indices=None) -> dict:
         """``{engine: [(state index, param)]}`` for the wrapped parameters among ``indices`` (all by default)."""
