@@ -77,7 +77,10 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
                 values[id(p)] = v
             else:
                 rest[k] = v
-        missing = [n for n, p in by_name.items() if chunks.param(p) is not None and id(p) not in values]
+        # By name, as torch reports them: a tied alias (lm_head.weight) absent from ``state`` is
+        # missing even when its twin was loaded (safetensors' load_model, behind accelerate's
+        # load_state, drops such names from its unexpected ones only when reported missing).
+        missing = [n for n, p in by_name.items() if chunks.param(p) is not None and n not in state]
         chunks.scatter(values)
         engine.drop_gathered()          # copies gathered from other ranks hold the old values
         result = original_load(rest, strict=False, assign=assign)
