@@ -341,3 +341,20 @@ def test_accelerate_save_state_and_load_state_resume_an_8bit_run(disk_tmp):
     assert train(accelerator2, model2, opt2, data[3:]) == want
     for m in (model, model2):
         m.offload_engine.close()
+
+
+@pytest.mark.xfail(strict=True, reason="a wrapped model trained by an optimizer that is not offload's (Trainer's "
+                   "default torch AdamW when optimizers= is left out) never updates and nothing says so: the "
+                   "gradients live in chunks, p.grad stays None, and the engine only refuses a forward after "
+                   "an update it applied itself; a guard (no offload optimizer attached, a full window of "
+                   "gradients, a new forward with grad) is the lead's call: it would also refuse gradient-only uses")
+def test_trainer_without_an_offload_optimizer_is_refused(disk_tmp):
+    model = offload.wrap(tiny_llama(), config(disk_tmp, dtype="bf16", optimizer_state="8bit", master="bf16"))
+    args = transformers.TrainingArguments(
+        output_dir=str(disk_tmp / "out"), per_device_train_batch_size=2, max_steps=3, learning_rate=LR,
+        use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0)
+    try:
+        with pytest.raises(offload.OffloadError, match="offload.AdamW"):
+            transformers.Trainer(model=model, args=args, train_dataset=Tokens(6)).train()
+    finally:
+        model.offload_engine.close()
