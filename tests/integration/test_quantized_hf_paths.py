@@ -25,7 +25,7 @@ LR, WD = 1e-2, 0.1
 
 
 def config(path, **kw) -> offload.OffloadConfig:
-    # Budgets below the state: every chunk goes through NVMe and back.
+    # Small budgets and an NVMe tier (tests that need the state spilled use smaller ones and check it).
     base = dict(device="cpu", device_budget="512KiB", cpu_budget="320KiB", nvme_paths=[str(path)], chunk_size=16384)
     return offload.OffloadConfig(**{**base, **kw})
 
