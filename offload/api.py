@@ -98,6 +98,9 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     mark_data_parallel(model, chunks.sharding.world if chunks.sharding is not None else 1)
     # HF Trainer resumes a PeftModel by load_adapter, which would swap in new adapter parameters.
     keep_adapters_in_place(model)
+    # Trainer's and accelerate's clip must see offloaded gradients, and refuse when no
+    # offload.AdamW holds them (Trainer's own torch AdamW would silently update nothing).
+    grad_clip.install()
     return model
 
 
