@@ -18,6 +18,7 @@ from .engine import OffloadEngine
 from .engine.access import engine_of
 from .errors import ConfigError, OffloadError
 from .hf.accelerate_ranks import mark_data_parallel
+from .hf.peft_adapters import keep_adapters_in_place
 from .lazy import lazy_record
 from .optim.cpu_adam import CPUAdamW, scalar_dtype
 from .optim.quantized import bound_moment
@@ -76,7 +77,10 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
                 values[id(p)] = v
             else:
                 rest[k] = v
-        missing = [n for n, p in by_name.items() if chunks.param(p) is not None and id(p) not in values]
+        # By name, as torch reports them: a tied alias (lm_head.weight) absent from ``state`` is
+        # missing even when its twin was loaded (safetensors' load_model, behind accelerate's
+        # load_state, drops such names from its unexpected ones only when reported missing).
+        missing = [n for n, p in by_name.items() if chunks.param(p) is not None and n not in state]
         chunks.scatter(values)
         engine.drop_gathered()          # copies gathered from other ranks hold the old values
         result = original_load(rest, strict=False, assign=assign)
@@ -92,6 +96,11 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     model.offload_stats = engine.stats
     # Under N ranks the engine averages gradients itself: accelerate and Trainer must not add DDP.
     mark_data_parallel(model, chunks.sharding.world if chunks.sharding is not None else 1)
+    # HF Trainer resumes a PeftModel by load_adapter, which would swap in new adapter parameters.
+    keep_adapters_in_place(model)
+    # Trainer's and accelerate's clip must see offloaded gradients, and refuse when no
+    # offload.AdamW holds them (Trainer's own torch AdamW would silently update nothing).
+    grad_clip.install()
     return model
 
 
@@ -254,8 +263,9 @@ class AdamW(CPUAdamW):
                     m, v = moments["exp_avg"][id(p)], moments["exp_avg_sq"][id(p)]
                     moments["exp_avg"][id(p)] = bound_moment(m, v, *betas[id(p)])
             for i, p, step in stepped:
+                # fp32 at every precision, as torch.optim.AdamW's (bf16 moments gather as bf16).
                 sd["state"][i] = {"step": torch.tensor(float(step), dtype=scalar_dtype(), device="cpu"),
-                                  **{kind: moments[kind][id(p)] for kind in MOMENTS}}
+                                  **{kind: moments[kind][id(p)].float() for kind in MOMENTS}}
         return sd
 
     def load_state_dict(self, state_dict):

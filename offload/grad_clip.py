@@ -3,7 +3,7 @@
 A wrapped model's gradients live in chunks, not in ``p.grad``: torch's clip would find none,
 return a norm of 0 and clip nothing. ``HF Trainer`` (its default ``max_grad_norm=1.0``) and
 ``accelerate`` call ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` between
-backward and ``optimizer.step()``; ``install()`` (done by ``offload.AdamW``) points that name at
+backward and ``optimizer.step()``; ``install()`` (done by ``offload.wrap`` and ``offload.AdamW``) points that name at
 ``clip_grad_norm_`` below. Parameters of no wrapped model go to torch's own function unchanged.
 For offloaded ones the global L2 norm is torch's (every gradient counted once, as if
 concatenated) and the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` is applied by the
