@@ -142,10 +142,11 @@ class ChunkStore(ChunkContents):
 
     def close(self) -> None:
         """Give every copy's buffer back and let the memory tiers go of their memory: the engine is
-        closing and its values are gone (``OffloadEngine.close``). Moves under way finish first;
-        parameters viewing a buffer are detached as it goes (``on_free``)."""
+        closing and its values are gone (``OffloadEngine.close``). Moves under way finish first (a
+        failed one too: its error is its waiter's); parameters viewing a buffer are detached as it
+        goes (``on_free``)."""
         with self.lock:
-            self.traffic.wait_idle()
+            self.traffic.wait_idle(raise_failures=False)
             for rec in self.records.values():
                 for tier in list(rec.buffers):
                     self.traffic.drop_copy(rec, tier)

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import StateError
+from ..errors import OffloadError, StateError
 from ..tiers.memory import MemoryTier
 from ..tiers.moves import Move, copy_between
 from ..tiers.nvme import NvmeTier
@@ -241,10 +241,16 @@ class ChunkTraffic(RoomMaking):
             move.finish()
         self._retire()
 
-    def wait_idle(self) -> None:
-        """Wait for and finish every move under way, and the copies still reading freed host buffers."""
+    def wait_idle(self, *, raise_failures: bool = True) -> None:
+        """Wait for and finish every move under way, and the copies still reading freed host buffers.
+        ``raise_failures=False`` (closing): a failed move is finished all the same, its error left
+        to whoever waits for it (or to the NVMe tier's record of it)."""
         while self.in_flight:
-            next(iter(self.in_flight)).wait()
+            try:
+                next(iter(self.in_flight)).wait()
+            except OffloadError:
+                if raise_failures:
+                    raise
         while self._retiring:
             self._retire(wait_on=self._retiring[0][0])
 
