@@ -201,7 +201,7 @@ class AdamW(CPUAdamW):
         if not isinstance(params, set):     # torch refuses sets (unordered) itself
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             _refuse_thawed(params)
-            param_group = {**param_group, "params": params}
+            param_group["params"] = params      # the caller's dict itself, as torch keeps it
         super().add_param_group(param_group)
         if hasattr(self, "_engines"):       # torch's __init__ adds the first groups before ours runs
             self._attach_engines()

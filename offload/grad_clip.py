@@ -46,7 +46,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     plain = []
     for p in params:
         e = engine_of(p)
-        if e is None:
+        if e is None or not p.requires_grad:
+            # A frozen wrapped parameter has no gradient to clip (a frozen offloaded encoder under
+            # a head trained by another optimizer): as a plain one, it adds nothing.
             plain.append(p)
         else:
             engines.setdefault(e, set()).add(id(p))

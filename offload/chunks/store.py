@@ -154,6 +154,9 @@ class ChunkStore(ChunkContents):
                 rec.pin_threads.clear()
                 rec.nvme_valid = False
                 rec.state = ChunkState.FREE      # for good: whatever it was (a close mid-forward)
+            # Host buffers that uploads still read were set aside by the drops: retired first, so
+            # no tier unpins its arena under a copy still running.
+            self.traffic.wait_idle(raise_failures=False)
             for tier in self.tiers.values():
                 if isinstance(tier, MemoryTier):
                     tier.close()
@@ -234,9 +237,13 @@ class ChunkStore(ChunkContents):
                 move = self.fetch(key, tier)
                 if move is None:
                     return
-            move.wait_io()
-            with self.lock:
-                move.finish()
+            try:
+                move.wait_io()
+            finally:
+                with self.lock:
+                    # Also when the I/O failed: the move is finished (its chunk forgets it), so the
+                    # next access starts a new read rather than meet this one's error again.
+                    move.finish()
 
     def access(self, key: ChunkKey, tier: str, *, overwrite: bool = False) -> torch.Tensor:
         """Pin ``key`` on a memory ``tier`` (COMPUTE) and return its typed view; pair with ``release``.

@@ -158,7 +158,7 @@ class OffloadEngine:
         return applied
 
     def check_intact(self) -> None:
-        """Raise once a request of the NVMe tier has failed (``NvmeTier.check_intact``)."""
+        """Raise once a failure may have left a step half applied (``StepPipeline.check_intact``)."""
         self.pipeline.check_intact()
 
     def zero_grad(self) -> None:

@@ -128,8 +128,10 @@ class StepPipeline:
         p.final_micro_batch = p.micro_batches + 1 >= self.config.gradient_accumulation_steps
         p.eager = (self.optimizer is not None and self.config.overlap_optimizer and self.scaler is None
                    and not self.optimizer.defers_update() and p.final_micro_batch)
-        if self.optimizer is not None and p.final_micro_batch:
-            # Read here also when the update waits: step() then sees whether they change after backward.
+        if self.optimizer is not None:
+            # Read at every backward, also when the update waits: step() then sees whether they
+            # changed after the window's last backward (which need not be the configured last
+            # micro-batch: Trainer ends an epoch's short window with a step).
             self.updates.refresh_hypers(self.optimizer.param_groups)
         p.parked = self.parking.choose() if p.eager and self.spills else set()
 
@@ -159,10 +161,16 @@ class StepPipeline:
         return norm / self.scaler.scale if self.scaler is not None else norm
 
     def check_intact(self) -> None:
-        """Raise once a request of the NVMe tier has failed (``NvmeTier.check_intact``)."""
+        """Raise once a request of the NVMe tier (``NvmeTier.check_intact``) or an update on the
+        worker (``ChunkAdam.check_intact``) has failed in a model that trains: some chunks may hold a
+        step others do not. A model without an optimizer (inference) has no step to break: a failed
+        read only fails the forward that needed it."""
+        if self.optimizer is None:
+            return
         nvme = self.store.tiers.get("nvme")
         if nvme is not None:
             nvme.check_intact()
+        self.adam.check_intact()
 
     def step(self) -> bool:
         """Finish this window's update; returns False when an fp16 overflow skipped it."""

@@ -117,6 +117,7 @@ class ChunkAdam:
         self._order = itertools.count()             # ties between equal deadlines go first come, first served
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.failure: BaseException | None = None   # the first update that failed (never cleared)
         self._progress = threading.Condition()      # notified as the worker finishes each chunk
         self._finished = 0
         self._pending: set[int] = set()             # chunks submitted and not yet updated (under _progress)
@@ -283,6 +284,14 @@ class ChunkAdam:
         since = self._idle_since
         return 0.0 if since is None else time.perf_counter() - since
 
+    def check_intact(self) -> None:
+        """Raise once an update has failed on the worker (``drain`` reports it once): the chunks
+        updated before it hold that step and the rest do not, so nothing may build on them."""
+        if self.failure is not None:
+            raise OffloadError(f"an optimizer update failed ({self.failure!r}): this model's chunks may hold "
+                               f"part of that step, so it neither steps, saves nor runs forward any more: "
+                               f"close it and resume from the last checkpoint") from self.failure
+
     def raise_error(self) -> None:
         """Re-raise the worker's first error now, without waiting for its queue."""
         if self._error is not None:
@@ -310,6 +319,8 @@ class ChunkAdam:
                     self.update_s = took if self.update_s == 0 else 0.8 * self.update_s + 0.2 * took
             except BaseException as exc:  # re-raised in the training thread by drain()
                 self._error = exc
+                if self.failure is None:    # kept: some chunks may have this step's update, others not
+                    self.failure = exc
             finally:
                 with self._progress:        # before task_done: drain() returning means nothing pending
                     self._pending.discard(c)

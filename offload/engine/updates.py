@@ -66,9 +66,13 @@ class UpdateQueue:
         """``"param_groups[i]['field']"`` for each hyper-parameter that differs from what the last
         ``refresh_hypers`` read (a user may set the lr between backward and ``step()``)."""
         out: dict[str, None] = {}       # ordered, once each (both betas are one key)
-        if self._groups and len(param_groups) != len(self._groups):
+        # Only the groups holding wrapped parameters: the others are updated at step() anyway.
+        mine = set(self._group_of.values())
+        if self._groups and any(gi >= len(self._groups) for gi in mine):
             out[f"param_groups (a group added: {len(self._groups)} -> {len(param_groups)})"] = None
         for gi, (group, was) in enumerate(zip(param_groups, self._groups)):
+            if gi not in mine:
+                continue
             now = hyper_of(group)
             for field, key in HYPER_KEYS.items():
                 if getattr(now, field) != getattr(was, field):
