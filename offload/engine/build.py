@@ -51,14 +51,15 @@ def offloaded_parameters(model: nn.Module, dtype: torch.dtype, device: torch.dev
     real parameters with placeholder data (ties kept) before anyone (an optimizer) holds them."""
     shapes: dict[int, torch.Size] = {}
     if lazy is not None:
-        placeholder = torch.empty(0, dtype=dtype, device=device)
         new: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
                 if not p.is_meta:
                     continue
                 if id(p) not in new:
-                    q = nn.Parameter(placeholder, requires_grad=p.requires_grad)
+                    # No element, its number of dimensions kept (``ParamViews.placeholder``).
+                    empty = torch.empty((0,) * max(p.dim(), 1), dtype=dtype, device=device)
+                    q = nn.Parameter(empty, requires_grad=p.requires_grad)
                     new[id(p)] = q
                     shapes[id(q)] = p.shape
                 setattr(module, name, new[id(p)])

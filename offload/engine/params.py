@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,13 +35,13 @@ class ParamRef:
 class ChunkedParams:
     """Owns the ``param`` (compute dtype) and ``master`` (fp32, or bf16: ``precision``) chunks of one model.
 
-    ``placeholder``: what a parameter's ``.data`` is when no chunk is viewed (``ParamViews``).
+    ``placeholder(ndim)``: what a parameter's ``.data`` is when no chunk is viewed (``ParamViews``).
     Under data parallelism, ``sharding`` says which piece of every chunk this rank keeps, and
     ``comms`` (on ``comm_device``) gathers the others' pieces when values are read.
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], layout: ChunkLayout, store: ChunkStore,
-                 compute_dtype: torch.dtype, *, placeholder: torch.Tensor, sharding=None, comms=None,
+                 compute_dtype: torch.dtype, *, placeholder: Callable[[int], torch.Tensor], sharding=None, comms=None,
                  comm_device: torch.device = torch.device("cpu"), precision: StatePrecision | None = None):
         self.layout = layout
         self.store = store
@@ -151,7 +152,7 @@ class ChunkedParams:
             if self.master_kind(c) == "master":
                 self.store.initialize(("master", c), tier, lambda v: fill(v, self.master_dtype))
             for p in self.chunk_members[c]:
-                p.data = self._placeholder
+                p.data = self._placeholder(len(self.ref(p).slot.shape))
 
     def fill_lazily(self, tier: str, record, model: nn.Module) -> None:
         """Materialize a ``lazy_init`` model module by module into its chunks (see offload.lazy)."""
@@ -219,7 +220,7 @@ class ChunkedParams:
             for p in real:
                 s = self.ref(p).slot
                 values[s.offset:s.end].copy_(p.data.reshape(-1))
-                p.data = self._placeholder
+                p.data = self._placeholder(len(s.shape))
             self._initialize_chunk(c, values, tier)
 
     def names_of(self, c: int) -> list[str]:

@@ -36,13 +36,24 @@ class ParamViews:
                  device: torch.device, tier: str, kind: str = "param"):
         self.tier = tier
         self.kind = kind        # the chunks parameters view: "param", or "gathered" under several ranks
-        self.placeholder = torch.empty(0, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, device
+        self._placeholders: dict[int, torch.Tensor] = {}
         self.members: list[list] = [[] for _ in range(layout.num_chunks)]    # chunk -> [(param, slot)]
         for name, p in named:
             slot = layout.slot(name)
             self.members[slot.chunk].append((p, slot))
         self.pinned_buffers: dict[int, int] = {}   # device buffer address -> chunk, while attached
         self.attached: dict[int, int] = {}         # chunk -> device buffer address its parameters view
+
+    def placeholder(self, ndim: int) -> torch.Tensor:
+        """The ``.data`` of a parameter of ``ndim`` dimensions while no chunk is viewed: no element
+        to read, but its number of dimensions kept (code that groups parameters by ``p.ndim`` --
+        weight decay for matrices only, as nanoGPT and timm do -- sees what it would unwrapped).
+        A 0-d parameter gets 1-d: a 0-d tensor always holds an element."""
+        t = self._placeholders.get(ndim)
+        if t is None:
+            t = self._placeholders[ndim] = torch.empty((0,) * max(ndim, 1), dtype=self.dtype, device=self.device)
+        return t
 
     def attach(self, c: int, view: torch.Tensor) -> None:
         """Make chunk ``c``'s parameters view ``view`` (its device copy), unless they already do."""
@@ -59,8 +70,8 @@ class ParamViews:
         ptr = self.attached.pop(c, None)
         if ptr is None:
             return
-        for p, _ in self.members[c]:
-            p.data = self.placeholder
+        for p, s in self.members[c]:
+            p.data = self.placeholder(len(s.shape))
         self.pinned_buffers.pop(ptr, None)
 
     def on_store_free(self, key, tier: str) -> None:

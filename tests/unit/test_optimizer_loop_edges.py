@@ -120,3 +120,23 @@ def test_a_failed_read_fails_one_forward_of_a_model_that_only_infers(disk_tmp):
             assert torch.equal(model(x), want)
     finally:
         model.offload_engine.close()
+
+
+def test_parameters_keep_their_number_of_dimensions_for_grouping(disk_tmp):
+    # nanoGPT's and timm's weight-decay groups: matrices decay, vectors (biases, norms) do not.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 32))
+    want = {n: p.dim() for n, p in net.named_parameters()}
+    model = offload.wrap(net, offload.OffloadConfig(device="cpu", dtype="fp32", nvme_paths=[str(disk_tmp)]))
+    try:
+        assert {n: p.dim() for n, p in model.named_parameters()} == want
+        assert all(p.numel() == 0 for p in model.parameters())      # nothing stale to read outside forward
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        opt = offload.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+        model(torch.randint(0, 32, (2, 5))).pow(2).mean().backward()
+        opt.step()
+        assert {n: p.dim() for n, p in model.named_parameters()} == want      # after a step too
+        assert len(decay) == 3
+    finally:
+        model.offload_engine.close()
