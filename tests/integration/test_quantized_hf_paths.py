@@ -24,6 +24,13 @@ pytestmark = pytest.mark.slow
 LR, WD = 1e-2, 0.1
 
 
+def moments_on_nvme(model) -> bool:
+    """Whether a moment chunk's current copy is on NVMe now (which one is a matter of timing: the
+    eviction order follows the Adam worker's progress), i.e. the budgets forced state to the disk."""
+    on_disk = model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"]
+    return bool({"exp_avg", "exp_avg_sq"} & set(on_disk))
+
+
 def config(path, **kw) -> offload.OffloadConfig:
     # Small budgets and an NVMe tier (tests that need the state spilled use smaller ones and check it).
     base = dict(device="cpu", device_budget="512KiB", cpu_budget="320KiB", nvme_paths=[str(path)], chunk_size=16384)
@@ -196,7 +203,7 @@ def test_hf_architecture_in_bf16_matches_the_scheme_on_flat_chunks(disk_tmp, arc
     for name, p in ref.named_parameters():
         assert torch.equal(sd[name], p.detach()), name
         assert torch.isfinite(sd[name]).all(), name
-    assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"].get("exp_avg")
+    assert moments_on_nvme(model)
     model.offload_engine.close()
 
 
@@ -231,7 +238,7 @@ def test_hf_architecture_with_8bit_state_tracks_torch_adamw_within_the_lr_band(d
     assert ref[-1] < 0.95 * ref[0]                      # the batches are being learnt
     assert sum(dist) <= sum(band) and dist[-1] <= band[-1], (dist, band)
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
-    assert model.offload_engine.store.memory_report()["tiers"]["nvme"]["bytes_by_kind"].get("exp_avg")
+    assert moments_on_nvme(model)
     model.offload_engine.close()
 
 
