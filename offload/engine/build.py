@@ -21,6 +21,7 @@ from ..tiers import MemoryTier, NvmeTier
 from ..tiers.budgets import min_cpu_bytes, min_device_bytes_sharded
 from ..tiers.streams import CopyStreams, DeviceStreams
 from ..units import format_bytes
+from .pins import empty_placeholder
 from .precision import StatePrecision
 
 
@@ -57,9 +58,7 @@ def offloaded_parameters(model: nn.Module, dtype: torch.dtype, device: torch.dev
                 if not p.is_meta:
                     continue
                 if id(p) not in new:
-                    # No element, its number of dimensions kept (``ParamViews.placeholder``).
-                    empty = torch.empty((0,) * max(p.dim(), 1), dtype=dtype, device=device)
-                    q = nn.Parameter(empty, requires_grad=p.requires_grad)
+                    q = nn.Parameter(empty_placeholder(p.dim(), dtype, device), requires_grad=p.requires_grad)
                     new[id(p)] = q
                     shapes[id(q)] = p.shape
                 setattr(module, name, new[id(p)])

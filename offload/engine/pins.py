@@ -29,6 +29,14 @@ from ..scheduler.eviction import EvictionPolicy
 from ..tracer import Tracer
 
 
+def empty_placeholder(ndim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The ``.data`` of a parameter of ``ndim`` dimensions whose chunk is not viewed: no element to
+    read, but its number of dimensions kept (code that groups parameters by ``p.ndim`` -- weight
+    decay for matrices only, as nanoGPT and timm do -- sees what it would unwrapped). A 0-d
+    parameter gets 1-d: a 0-d tensor always holds an element."""
+    return torch.empty((0,) * max(ndim, 1), dtype=dtype, device=device)
+
+
 class ParamViews:
     """Which device buffer each chunk's parameters view, on compute tier ``tier``."""
 
@@ -46,13 +54,10 @@ class ParamViews:
         self.attached: dict[int, int] = {}         # chunk -> device buffer address its parameters view
 
     def placeholder(self, ndim: int) -> torch.Tensor:
-        """The ``.data`` of a parameter of ``ndim`` dimensions while no chunk is viewed: no element
-        to read, but its number of dimensions kept (code that groups parameters by ``p.ndim`` --
-        weight decay for matrices only, as nanoGPT and timm do -- sees what it would unwrapped).
-        A 0-d parameter gets 1-d: a 0-d tensor always holds an element."""
+        """``empty_placeholder`` of this engine's dtype and device, one per ``ndim``."""
         t = self._placeholders.get(ndim)
         if t is None:
-            t = self._placeholders[ndim] = torch.empty((0,) * max(ndim, 1), dtype=self.dtype, device=self.device)
+            t = self._placeholders[ndim] = empty_placeholder(ndim, self.dtype, self.device)
         return t
 
     def attach(self, c: int, view: torch.Tensor) -> None:

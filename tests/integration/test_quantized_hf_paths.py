@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
+from tests.helpers.trainer_runs import RecordingTrainer, Tokens  # noqa: E402 (after the skips)
+
 pytestmark = pytest.mark.slow
 
 LR, WD = 1e-2, 0.1
@@ -38,27 +40,6 @@ def config(path, **kw) -> offload.OffloadConfig:
 
 
 # ---- transformers.Trainer: a checkpoint, then a resume in a fresh process's objects ----------
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.rows = [torch.randint(0, 128, (16,), generator=gen) for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-class RecordingTrainer(transformers.Trainer):
-    """Keeps each step's loss as computed (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
-        return loss
-
 
 class RoundTrip(transformers.TrainerCallback):
     """When Trainer has saved a checkpoint, pass the optimizer's state through ``state_dict`` /

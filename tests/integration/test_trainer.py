@@ -18,29 +18,10 @@ from tests.helpers.trajectory import assert_run_within_drift, float64_twin
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tests.helpers.trainer_runs import RecordingTrainer, Tokens  # noqa: E402 (after the skips)
+
 pytestmark = pytest.mark.slow
 STEPS = 5
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.rows = [torch.randint(0, 128, (16,), generator=gen) for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-class RecordingTrainer(transformers.Trainer):
-    """Keeps each step's loss as computed (the logged one is rounded)."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.losses.append((loss[0] if isinstance(loss, tuple) else loss).item())
-        return loss
 
 
 def train(model, optimizer, out_dir, max_grad_norm):
