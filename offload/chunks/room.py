@@ -26,12 +26,18 @@ class RoomMaking:
         or mid-move; the last current copy only if there is a tier below to write it to (and a
         slot there, when that tier is NVMe: chunks of other ranks have none). One pass with the
         checks inlined: it runs on every eviction and on every prefetch that meets a full tier,
-        over every chunk the tier holds."""
+        over every chunk the tier holds.
+
+        Chunks with a current copy elsewhere come first: the policy's choice is a stable sort, so
+        among chunks it ranks alike a clean one leaves, for free, before one that must be written
+        down. Ties are common: every chunk the trace never uses ranks at infinity, a gradient
+        waiting for the optimizer and state it has updated and written back alike (CI saw such a
+        gradient written to NVMe because the tier happened to hold it first)."""
         records, protected = self.records, self.protected
         below = self.order.index(tier) + 1
         below_ok = below < len(self.order)
         below_nvme = below_ok and self.order[below] == "nvme"
-        out = []
+        clean, last_copies = [], []
         for key in self.resident[tier]:
             rec = records[key]
             if rec.incoming or key == exclude or key in protected or rec.pins.get(tier):
@@ -39,11 +45,11 @@ class RoomMaking:
             buffers = rec.buffers
             if tier not in buffers:
                 continue
-            last_copy = not rec.nvme_valid and len(buffers) == 1
-            if last_copy and not (below_ok and (not below_nvme or rec.slot is not None)):
-                continue
-            out.append(key)
-        return out
+            if rec.nvme_valid or len(buffers) > 1:
+                clean.append(key)
+            elif below_ok and (not below_nvme or rec.slot is not None):
+                last_copies.append(key)
+        return clean + last_copies
 
     def make_room(self, tier: str, nbytes: int, exclude: Hashable, later_than: float | None = None) -> bool:
         """Evict from ``tier`` until ``nbytes`` fit. With ``later_than`` (a prefetch) only chunks the

@@ -235,6 +235,30 @@ def test_finished_writeback_frees_its_chunk_for_eviction(disk_tmp):
     nvme.close()
 
 
+def test_among_chunks_ranked_alike_a_clean_one_leaves_before_one_that_needs_a_write(disk_tmp):
+    """Chunks the trace never uses (a gradient waiting for the optimizer, state already updated and
+    written back) rank alike, at infinity. Making room then drops a clean copy, which costs
+    nothing, rather than write the other down, whatever order the tier holds them in (CI saw a
+    waiting gradient go cpu->nvme when it happened to come first)."""
+    from offload.scheduler import AccessTrace, NextUsePolicy
+
+    nvme = _nvme_tier(disk_tmp)
+    trace = AccessTrace()
+    trace.record(("param", 0))
+    store = ChunkStore([MemoryTier("cpu", 2 * NUMEL * 4, aligned=True), nvme],
+                       NextUsePolicy(trace, auto_advance=False))
+    waiting, written, incoming = store.register("master", 3, NUMEL, torch.float32)
+    store.initialize(waiting, "cpu", lambda v: v.fill_(1.0))      # resident first: chosen first on a tie
+    store.initialize(written, "cpu", lambda v: v.fill_(2.0))
+    store.start_writeback(written).wait()
+    assert store.policy.rank(waiting) == store.policy.rank(written) == float("inf")
+    store.initialize(incoming, "cpu")
+    assert store.records[waiting].valid == {"cpu"} and store.records[written].valid == {"nvme"}
+    assert store.memory_report()["moved_bytes"] == {"cpu->nvme": NUMEL * 4}   # the write-back only
+    assert store.read(written).eq(2.0).all()
+    nvme.close()
+
+
 def test_wait_idle_finishes_every_move_under_way(disk_tmp):
     nvme = _nvme_tier(disk_tmp)
     store = ChunkStore([MemoryTier("cpu", 4 * NUMEL * 4, aligned=True), nvme], LRUPolicy())
