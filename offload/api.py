@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import grad_clip
+from . import foreign_optimizers, grad_clip
 from .config import MASTERS, OPTIMIZER_STATES, OffloadConfig
 from .distributed.arrival import arrive
 from .engine import OffloadEngine
@@ -101,6 +101,8 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     # Trainer's and accelerate's clip must see offloaded gradients, and refuse when no
     # offload.AdamW holds them (Trainer's own torch AdamW would silently update nothing).
     grad_clip.install()
+    # A torch optimizer left over the placeholders would update nothing, silently: refused.
+    foreign_optimizers.install()
     return model
 
 
@@ -156,6 +158,7 @@ class AdamW(CPUAdamW):
     """
 
     _decoupled_default = True
+    steps_offloaded_parameters = True       # offload.foreign_optimizers lets its step() through
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, max_grad_norm: float | None = None, state: str | None = None,

@@ -1,0 +1,97 @@
+"""A torch optimizer over a wrapped model's parameters is refused at its first step() (it would
+update nothing: the values, gradients and state live in the engine's chunks), naming the optimizer,
+a parameter and offload.AdamW; optimizers that legitimately meet a wrapped model go through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.errors import ConfigError
+from tests.helpers.features8 import batches, loss_of, make_model
+
+
+class Wrapping(torch.optim.Optimizer):
+    """An optimizer around another, as accelerate's ``AcceleratedOptimizer`` is (which skips
+    ``Optimizer.__init__``; this one runs it, so torch's step hooks see it too)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        super().__init__([{"params": g["params"]} for g in optimizer.param_groups], {})
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+def wrapped():
+    return offload.wrap(make_model(), offload.OffloadConfig(device="cpu", dtype="fp32", chunk_size=2048))
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [t.clone() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+], ids=["AdamW", "SGD", "Adam"])
+def test_a_torch_optimizer_over_a_wrapped_model_is_refused_at_step(optimizer):
+    model = wrapped()
+    try:
+        before = weights(model)
+        opt = optimizer(model.parameters())
+        x, y = batches(1)[0]
+        loss_of(model, x, y).backward()
+        with pytest.raises(ConfigError, match=r"torch\.optim\..*holds '0\.weight'.*offload\.AdamW") as err:
+            opt.step()
+        assert err.value.field == "optimizer"
+        assert all(torch.equal(a, b) for a, b in zip(before, weights(model)))
+        # The user's fix: the same loop with offload.AdamW trains.
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for x, y in batches(3):
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
+    finally:
+        model.offload_engine.close()
+
+
+def test_optimizers_that_meet_a_wrapped_model_legitimately_step():
+    """A plain head under its own torch optimizer beside a frozen offloaded encoder that the same
+    optimizer was also given (torch skips parameters without gradients); offload.AdamW inside
+    a wrapper optimizer; a parameter group added later is checked too."""
+    encoder = wrapped()
+    try:
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        head = nn.Linear(64, 64)
+        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
+        before = head.weight.detach().clone()
+        for x, y in batches(2):
+            loss_of(head, encoder(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not torch.equal(before, head.weight)
+
+        trained = wrapped()
+        try:
+            inner = offload.AdamW(trained.parameters(), lr=1e-2)
+            outer = Wrapping(inner)
+            for x, y in batches(2):
+                loss_of(trained, x, y).backward()
+                outer.step()
+                outer.zero_grad()
+            opt.add_param_group({"params": list(trained.parameters())})
+            with pytest.raises(ConfigError, match="offload.AdamW"):
+                opt.step()
+        finally:
+            trained.offload_engine.close()
+    finally:
+        encoder.offload_engine.close()
