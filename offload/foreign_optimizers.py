@@ -13,7 +13,7 @@ An optimizer passes when its class says it steps offloaded parameters
 (``steps_offloaded_parameters``: ``offload.AdamW``) or wraps one that does (``.optimizer``, as
 accelerate's ``AcceleratedOptimizer`` does), and when it holds no trainable parameter of an
 open engine (plain parameters, a frozen offloaded encoder under a head it trains). The verdict
-is kept per optimizer until its parameter groups change, so a step pays one dictionary look-up.
+is kept per optimizer until its parameter groups or their ``requires_grad`` change.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def steps_offloaded(optimizer) -> bool:
 
 
 def _groups_signature(optimizer) -> tuple:
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    # Which parameters require a gradient is part of it: a frozen wrapped encoder thawed later
+    # (staged unfreezing) would otherwise go on untrained, silently (a pass of attribute reads).
+    return tuple((id(g["params"]), len(g["params"]), sum(p.requires_grad for p in g["params"]))
+                 for g in optimizer.param_groups)
 
 
 def _before_any_step(optimizer, args, kwargs) -> None:

@@ -79,6 +79,12 @@ def test_optimizers_that_meet_a_wrapped_model_legitimately_step():
             opt.step()
             opt.zero_grad()
         assert not torch.equal(before, head.weight)
+        for p in encoder.parameters():      # staged unfreezing: the torch optimizer would not train them
+            p.requires_grad_(True)
+        with pytest.raises(ConfigError, match="offload.AdamW"):
+            opt.step()
+        for p in encoder.parameters():
+            p.requires_grad_(False)
 
         trained = wrapped()
         try:
