@@ -265,3 +265,35 @@ def test_buffers_stay_on_the_compute_device_and_a_float_cast_of_them_is_refused_
     with torch.no_grad():
         assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
     assert torch.allclose(model[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_tinygpt_trains_the_same_with_inference_mode_generation_between_steps(tmp_path):
+    """Tied embeddings, a root-level parameter, attention and activation checkpointing, in bf16: an
+    eval() + inference_mode() loop between steps changes nothing of the training that follows."""
+    from tests.helpers.tiny_gpt import TinyGPT, batches
+
+    def run(interlude: bool, path) -> list[float]:
+        torch.manual_seed(0)
+        cfg = offload.OffloadConfig(device="cpu", dtype="bf16", device_budget="128KiB", cpu_budget="256KiB",
+                                    nvme_paths=[str(path)], chunk_size=2048, merge_host_tiers=False)
+        model = offload.wrap(TinyGPT(checkpointing=True), cfg)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for i, (x, y) in enumerate(batches(5)):
+            if interlude and i in (2, 4):
+                model.eval()
+                with torch.inference_mode():
+                    for _ in range(3):
+                        model(x, y)
+                model.train()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    # The same arithmetic in the same order: equal to the bit.
+    assert run(True, tmp_path / "a") == run(False, tmp_path / "b")
