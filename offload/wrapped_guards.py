@@ -15,7 +15,8 @@ chunks, behind open files, threads and locks. Three everyday idioms went wrong t
   wrapped parameters to the engine; buffers move only to the engine's compute device (anywhere
   else the next forward would fail), with a warning when the move asked for another.
 - ``sum(p.numel() for p in model.parameters())`` counts placeholders: ``num_parameters(model)``
-  counts the values, and answers a Hugging Face model's own ``num_parameters()``.
+  counts the values, and answers a Hugging Face model's own ``num_parameters()`` and PEFT's
+  ``get_nb_trainable_parameters()`` (behind ``print_trainable_parameters()``).
 
 ``install`` sets them as instance attributes of the wrapped model's modules: ``__deepcopy__`` and
 ``__reduce_ex__`` (looked up on the instance by ``copy`` and ``pickle``), and ``_apply``, torch's
@@ -40,6 +41,7 @@ _INSTEAD = ("copy the model before offload.wrap, or build a fresh one and load m
             "offload.save_checkpoint(model, optimizer, dir). An average of the weights "
             "(torch.optim.swa_utils.AveragedModel deep-copies its model) is kept the same way: over a copy "
             "made before wrap, updated from model.state_dict()")
+PEFT_COUNTS = ("PeftModel.get_nb_trainable_parameters", "PeftMixedModel.get_nb_trainable_parameters")
 
 
 def install(model: nn.Module, dtype: torch.dtype, dtype_name: str, device: torch.device) -> None:
@@ -59,6 +61,12 @@ def install(model: nn.Module, dtype: torch.dtype, dtype_name: str, device: torch
         hf = getattr(type(module), "num_parameters", None)
         if getattr(hf, "__qualname__", "") == "ModuleUtilsMixin.num_parameters":
             module.num_parameters = _hf_num_parameters(module)
+        # PEFT's print_trainable_parameters() asks this; its own count reads a zero-element
+        # parameter's size from DeepSpeed's ``ds_numel``, which offload does not set: with it, PEFT
+        # would take the model for a ZeRO-3 one (and gather it with deepspeed) elsewhere.
+        peft = getattr(type(module), "get_nb_trainable_parameters", None)
+        if getattr(peft, "__qualname__", "") in PEFT_COUNTS:
+            module.get_nb_trainable_parameters = _peft_counts(module)
 
 
 def num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -75,6 +83,14 @@ def num_parameters(model: nn.Module, only_trainable: bool = False, exclude_embed
         info = engine.chunks.param(p) if engine is not None else None
         total += info.slot.numel if info is not None else p.numel()
     return total
+
+
+def _peft_counts(module: nn.Module):
+    ref = weakref.ref(module)
+
+    def counts() -> tuple[int, int]:
+        return num_parameters(ref(), only_trainable=True), num_parameters(ref())
+    return counts
 
 
 def _refusal(what: str):

@@ -297,3 +297,18 @@ def test_bf16_tinygpt_trains_the_same_with_inference_mode_generation_between_ste
     (tmp_path / "b").mkdir()
     # The same arithmetic in the same order: equal to the bit.
     assert run(True, tmp_path / "a") == run(False, tmp_path / "b")
+
+
+def test_peft_counts_of_a_wrapped_lora_model_are_the_values(tmp_path):
+    peft = pytest.importorskip("peft")
+    from tests.helpers.hf_models import tiny_llama
+
+    def lora():
+        torch.manual_seed(1)
+        return peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+
+    want = lora().get_nb_trainable_parameters()
+    model = offload.wrap(lora(), offload.OffloadConfig(device="cpu", dtype="bf16", chunk_size=16384))
+    assert model.get_nb_trainable_parameters() == want
+    assert offload.num_parameters(model, only_trainable=True) == want[0] > 0
+    model.offload_engine.close()
