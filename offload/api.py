@@ -104,8 +104,9 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     # A torch optimizer left over the placeholders would update nothing, silently: refused.
     foreign_optimizers.install()
     # copy.deepcopy / pickle refused naming what to do, model.half() refused naming OffloadConfig(dtype=...),
-    # model.to(device) left harmless, and HF's num_parameters() counting the values, not the placeholders.
-    wrapped_guards.install(model, engine.dtype, config.dtype, engine.device)
+    # model.to(device) left harmless, users' backward hooks reading real weights, and HF's
+    # num_parameters() counting the values, not the placeholders.
+    wrapped_guards.install(model, engine)
     return model
 
 

@@ -2,7 +2,7 @@
 
 After ``offload.wrap`` a parameter's ``.data`` is an empty placeholder (or, while its chunk is on
 the compute device, a view of it): its values, gradient and Adam state live in the engine's
-chunks, behind open files, threads and locks. Three everyday idioms went wrong there:
+chunks, behind open files, threads and locks. Four everyday idioms went wrong there:
 
 - ``copy.deepcopy(model)``, ``pickle`` / ``torch.save(model)`` and
   ``torch.optim.swa_utils.AveragedModel(model)`` (which deep-copies) failed deep in the engine
@@ -14,15 +14,18 @@ chunks, behind open files, threads and locks. Three everyday idioms went wrong t
   in and every device move (``.to("cpu")``, the HF Trainer's ``model.to(device)``) leave the
   wrapped parameters to the engine; buffers move only to the engine's compute device (anywhere
   else the next forward would fail), with a warning when the move asked for another.
+- a user's full backward (pre-)hook reading ``module.weight`` read a placeholder: its module's
+  ``register_full_backward_hook`` / ``register_full_backward_pre_hook`` now pin the module's chunks
+  around the user's hook (``engine.user_hooks``).
 - ``sum(p.numel() for p in model.parameters())`` counts placeholders: ``num_parameters(model)``
   counts the values, and answers a Hugging Face model's own ``num_parameters()`` and PEFT's
   ``get_nb_trainable_parameters()`` (behind ``print_trainable_parameters()``).
 
 ``install`` sets them as instance attributes of the wrapped model's modules: ``__deepcopy__`` and
-``__reduce_ex__`` (looked up on the instance by ``copy`` and ``pickle``), and ``_apply``, torch's
-one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``. Other models are untouched and
-no forward pays for them. Each holds its module weakly (no reference cycle keeps a dropped
-model, and with it its engine's memory, alive until the garbage collector runs).
+``__reduce_ex__`` (looked up on the instance by ``copy`` and ``pickle``), ``_apply`` (torch's
+one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``) and the two backward hook
+registrations. Other models are untouched, and no forward pays for them. Each holds its module
+weakly (no reference cycle through the module's own dict).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import weakref
 import torch
 from torch import nn
 
+from .engine import user_hooks
 from .engine.access import engine_of
 from .errors import ConfigError, UnsupportedError
 
@@ -44,10 +48,12 @@ _INSTEAD = ("copy the model before offload.wrap, or build a fresh one and load m
 PEFT_COUNTS = ("PeftModel.get_nb_trainable_parameters", "PeftMixedModel.get_nb_trainable_parameters")
 
 
-def install(model: nn.Module, dtype: torch.dtype, dtype_name: str, device: torch.device) -> None:
-    """Guard every module of ``model`` (wrapped, computing in ``dtype`` = ``OffloadConfig(dtype=dtype_name)``
-    on ``device``) against copies and dtype casts, and answer Hugging Face's ``num_parameters()``."""
-    device = torch.empty(0, device=device).device      # "cuda" -> "cuda:0": tensors report an index
+def install(model: nn.Module, engine) -> None:
+    """Guard every module of ``model`` (wrapped by ``engine``) against copies and dtype casts, pin
+    its chunks around users' full backward hooks (``engine.user_hooks``), and answer Hugging Face's
+    ``num_parameters()``."""
+    dtype, dtype_name = engine.dtype, engine.config.dtype
+    device = torch.empty(0, device=engine.device).device      # "cuda" -> "cuda:0": tensors report an index
     for module in model.modules():
         if next(module.parameters(), None) is None:
             continue        # nothing wrapped in it (an activation, a dropout): copies and casts stay torch's
@@ -58,6 +64,8 @@ def install(model: nn.Module, dtype: torch.dtype, dtype_name: str, device: torch
         module.__reduce_ex__ = _refusal(f"pickling or copying {name} (pickle, torch.save or copy.copy of the "
                                         "module), a module of a model wrapped by offload.wrap")
         module._apply = _guarded_apply(module, dtype, dtype_name, device)
+        user_hooks.guard_registered(engine.hooks, module)
+        user_hooks.guard(engine.hooks, module)
         hf = getattr(type(module), "num_parameters", None)
         if getattr(hf, "__qualname__", "") == "ModuleUtilsMixin.num_parameters":
             module.num_parameters = _hf_num_parameters(module)

@@ -312,3 +312,42 @@ def test_peft_counts_of_a_wrapped_lora_model_are_the_values(tmp_path):
     assert model.get_nb_trainable_parameters() == want
     assert offload.num_parameters(model, only_trainable=True) == want[0] > 0
     model.offload_engine.close()
+
+
+def test_full_backward_hooks_read_the_weights_the_forward_used(tmp_path):
+    """Backward pre-hooks (on the output gradients, before the engine pinned the module for its
+    backward) and backward hooks (after it let go, or with the pre-hooks when no input needs a
+    gradient: layer 0), registered before and after wrap, read the module's real weights: the
+    values its forward used, not a placeholder nor an update in flight."""
+    ref, plain = f8.make_model(), f8.make_model()
+    seen: dict[str, list] = {"ref": [], "wrapped": []}
+    used: dict[int, torch.Tensor] = {}         # the wrapped model's weights in this step's forward
+
+    def weight_hooks(m, out, when):
+        def record(kind, i):
+            return lambda mod, *grads: out.append((f"{when} {kind} {i}", i, mod.weight.detach().clone()))
+        for i in (0, 6, 16):
+            m[i].register_full_backward_pre_hook(record("pre", i))
+            m[i].register_full_backward_hook(record("post", i))
+
+    weight_hooks(ref, seen["ref"], "before")
+    weight_hooks(plain, seen["wrapped"], "before")
+    model = wrapped(tmp_path, model=plain)
+    weight_hooks(ref, seen["ref"], "after")
+    weight_hooks(model, seen["wrapped"], "after")
+    for i in (0, 6, 16):
+        model[i].register_forward_hook(lambda mod, a, o, i=i: used.__setitem__(i, mod.weight.detach().clone()))
+    removed = [m[6].register_full_backward_hook(lambda *a: pytest.fail("removed hook ran")) for m in (ref, model)]
+    for handle in removed:
+        handle.remove()
+    runs = [(ref, torch.optim.AdamW(ref.parameters(), lr=f8.LR)), (model, offload.AdamW(model.parameters(), lr=f8.LR))]
+    with pytest.warns(UserWarning, match="no inputs require gradients"):      # layer 0's, from torch
+        for x, y in f8.batches(3):
+            for m, opt in runs:
+                start = len(seen["wrapped"])
+                f8.loss_of(m, x, y).backward()
+                for kind, i, weight in seen["wrapped"][start:]:
+                    assert torch.equal(weight, used[i]), kind
+                opt.step()
+                opt.zero_grad()
+    assert [k for k, _, _ in seen["wrapped"]] == [k for k, _, _ in seen["ref"]] and seen["ref"]
