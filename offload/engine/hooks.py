@@ -93,6 +93,8 @@ def register_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callabl
     ``pre`` goes first among the module's pre-hooks (``prepend``): a user's pre-hook registered
     before ``offload.wrap`` then reads the pinned weights, not empty placeholders (hooks registered
     after wrap run after the engine's anyway). Both run outside inference mode
-    (``outside_inference_mode``)."""
-    return [module.register_forward_pre_hook(outside_inference_mode(pre), prepend=True),
-            module.register_forward_hook(outside_inference_mode(post))]
+    (``outside_inference_mode``). The class's methods, not the instance's: on a wrapped module those
+    are ``user_hooks``' for users' hooks (``register_external_parameter`` installs again)."""
+    cls = type(module)
+    return [cls.register_forward_pre_hook(module, outside_inference_mode(pre), prepend=True),
+            cls.register_forward_hook(module, outside_inference_mode(post))]

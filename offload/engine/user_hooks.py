@@ -15,7 +15,10 @@ hook wrapped so that it runs with the module's chunks pinned: a pre-hook pinned 
 (post-)hook with a pin taken by a backward pre-hook of ours that runs first of them, and let go
 right after the user's hook, so the module's update (which waits for its last pin) cannot begin
 before it. The handle returned removes both. Hooks registered before ``offload.wrap`` are wrapped
-the same way when the model is wrapped (``guard_registered``).
+the same way when the model is wrapped (``guard_registered``). A forward hook registered after
+wrap runs after the engine's, which let the chunks go: ``register_forward_hook`` pins around it too
+(one registered before wrap runs before the engine's, pinned; forward pre-hooks run after the
+engine's, pinned, whenever registered).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import functools
 import weakref
 
 from torch import nn
+
+from .hooks import outside_inference_mode
 
 
 class _Handles:
@@ -56,18 +61,24 @@ def pin(hooks, module: nn.Module) -> list[int]:
     return chunks
 
 
+# A forward hook may run under torch.inference_mode(): a chunk fetched for it must not become an
+# inference tensor (see hooks.outside_inference_mode).
+pin_outside_inference = outside_inference_mode(pin)
+
+
 def unpin(hooks, chunks: list[int]) -> None:
     for c in chunks:
         if hooks.pins.pinned(c) and hooks.pins.unpin(c):
             hooks.ready.unpinned(c)         # its update waited for this last pin: it may go now
 
 
-def _pinned_pre_hook(hooks, hook):
+def _pinned(hooks, hook):
+    """``hook`` (any module hook: its module comes first) run with the module's chunks pinned."""
     @functools.wraps(hook)
-    def run(module, grad_output):
-        chunks = pin(hooks, module)
+    def run(module, *args):
+        chunks = pin_outside_inference(hooks, module)
         try:
-            return hook(module, grad_output)
+            return hook(module, *args)
         finally:
             unpin(hooks, chunks)
     return run
@@ -96,7 +107,7 @@ def guard(hooks, module: nn.Module) -> None:
     cls, ref = type(module), weakref.ref(module)       # weakly: no cycle through the module's own dict
 
     def register_full_backward_pre_hook(hook, prepend: bool = False):
-        return cls.register_full_backward_pre_hook(ref(), _pinned_pre_hook(hooks, hook), prepend=prepend)
+        return cls.register_full_backward_pre_hook(ref(), _pinned(hooks, hook), prepend=prepend)
 
     def register_full_backward_hook(hook, prepend: bool = False):
         held: list = []       # the pins taken by this registration's backward pre-hook, not yet let go
@@ -104,8 +115,14 @@ def guard(hooks, module: nn.Module) -> None:
         return _Handles(first, cls.register_full_backward_hook(ref(), _pinned_post_hook(hooks, hook, held),
                                                                 prepend=prepend))
 
+    def register_forward_hook(hook, **kwargs):
+        # After the engine's own forward hook, which let the chunks go: still on the device then,
+        # unless an update of the last step, finishing meanwhile, made room by taking them.
+        return cls.register_forward_hook(ref(), _pinned(hooks, hook), **kwargs)
+
     module.register_full_backward_pre_hook = register_full_backward_pre_hook
     module.register_full_backward_hook = register_full_backward_hook
+    module.register_forward_hook = register_forward_hook
 
 
 def guard_registered(hooks, module: nn.Module) -> None:
@@ -114,7 +131,7 @@ def guard_registered(hooks, module: nn.Module) -> None:
     each is replaced in place, under its own handle's id, so the user's handle still removes it
     (a post-hook's pin-taking pre-hook then stays, its pin let go at the end of backward)."""
     for key, hook in list(module._backward_pre_hooks.items()):
-        module._backward_pre_hooks[key] = _pinned_pre_hook(hooks, hook)
+        module._backward_pre_hooks[key] = _pinned(hooks, hook)
     if not getattr(module, "_is_full_backward_hook", None):
         return      # none, or the old register_backward_hook's, which torch calls elsewhere
     for key, hook in list(module._backward_hooks.items()):
