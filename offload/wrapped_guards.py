@@ -15,16 +15,15 @@ chunks, behind open files, threads and locks. Four everyday idioms went wrong th
   wrapped parameters to the engine; buffers move only to the engine's compute device (anywhere
   else the next forward would fail), with a warning when the move asked for another.
 - a user's full backward (pre-)hook reading ``module.weight`` read a placeholder: its module's
-  ``register_full_backward_hook`` / ``register_full_backward_pre_hook`` now pin the module's chunks
-  around the user's hook (``engine.user_hooks``).
+  ``register_full_backward_hook`` / ``register_full_backward_pre_hook`` (and ``register_forward_hook``)
+  now pin the module's chunks around the user's hook (``offload.engine.user_hooks``).
 - ``sum(p.numel() for p in model.parameters())`` counts placeholders: ``num_parameters(model)``
   counts the values, and answers a Hugging Face model's own ``num_parameters()`` and PEFT's
   ``get_nb_trainable_parameters()`` (behind ``print_trainable_parameters()``).
 
 ``install`` sets them as instance attributes of the wrapped model's modules: ``__deepcopy__`` and
 ``__reduce_ex__`` (looked up on the instance by ``copy`` and ``pickle``), ``_apply`` (torch's
-one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``) and the two backward hook
-registrations. Other models are untouched, and no forward pays for them. Each holds its module
+one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``) and three hook registrations. Other models are untouched, and no forward pays for them. Each holds its module
 weakly (no reference cycle through the module's own dict).
 """
 
@@ -50,8 +49,8 @@ PEFT_COUNTS = ("PeftModel.get_nb_trainable_parameters", "PeftMixedModel.get_nb_t
 
 def install(model: nn.Module, engine) -> None:
     """Guard every module of ``model`` (wrapped by ``engine``) against copies and dtype casts, pin
-    its chunks around users' full backward hooks (``engine.user_hooks``), and answer Hugging Face's
-    ``num_parameters()``."""
+    its chunks around users' hooks (``offload.engine.user_hooks``), and answer Hugging Face's
+    ``num_parameters()`` and PEFT's ``get_nb_trainable_parameters()``."""
     dtype, dtype_name = engine.dtype, engine.config.dtype
     device = torch.empty(0, device=engine.device).device      # "cuda" -> "cuda:0": tensors report an index
     for module in model.modules():
