@@ -23,8 +23,9 @@ chunks, behind open files, threads and locks. Four everyday idioms went wrong th
 
 ``install`` sets them as instance attributes of the wrapped model's modules: ``__deepcopy__`` and
 ``__reduce_ex__`` (looked up on the instance by ``copy`` and ``pickle``), ``_apply`` (torch's
-one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``) and three hook registrations. Other models are untouched, and no forward pays for them. Each holds its module
-weakly (no reference cycle through the module's own dict).
+one funnel for ``to`` / ``half`` / ``float`` / ``cuda`` / ``type``) and three hook registrations.
+Other models are untouched, and no forward pays for them. Each holds its module weakly (no
+reference cycle through the module's own dict).
 """
 
 from __future__ import annotations
