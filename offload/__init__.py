@@ -23,6 +23,10 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "num_parameters":
+        from .wrapped_guards import num_parameters
+
+        return num_parameters
     if name == "lazy_init":
         from .lazy import lazy_init
 
@@ -69,6 +73,7 @@ __all__ = [
     "UnsupportedError",
     "lazy_init",
     "native_info",
+    "num_parameters",
     "register_external_parameter",
     "wrap",
     "parse_bytes",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import foreign_optimizers, grad_clip
+from . import foreign_optimizers, grad_clip, wrapped_guards
 from .config import MASTERS, OPTIMIZER_STATES, OffloadConfig
 from .distributed.arrival import arrive
 from .engine import OffloadEngine
@@ -103,6 +103,10 @@ def wrap(model: nn.Module, config: OffloadConfig | None = None, *, process_group
     grad_clip.install()
     # A torch optimizer left over the placeholders would update nothing, silently: refused.
     foreign_optimizers.install()
+    # copy.deepcopy / pickle refused naming what to do, model.half() refused naming OffloadConfig(dtype=...),
+    # model.to(device) left harmless, users' backward hooks reading real weights, and HF's
+    # num_parameters() counting the values, not the placeholders.
+    wrapped_guards.install(model, engine)
     return model
 
 

@@ -72,3 +72,29 @@ def wrap_for_backward(output: Any, hook: Callable[[], None]) -> Any:
         return output
     wrapped = dict(zip(map(id, wanted), PreBackward.apply(hook, *wanted)))
     return map_tensors(output, lambda t: wrapped.get(id(t), t))
+
+
+def outside_inference_mode(hook: Callable) -> Callable:
+    """``hook`` run with inference mode off (grad mode still off) when a forward runs under
+    ``torch.inference_mode()``: every buffer the engine allocates there (chunk copies, the pooled
+    buffers they come from, their typed views) outlives that forward, and one made as an inference
+    tensor would be refused by the next training step's autograd (or by Adam's in-place update)."""
+    def run(*args):
+        if not torch.is_inference_mode_enabled():
+            return hook(*args)
+        with torch.inference_mode(False), torch.no_grad():
+            return hook(*args)
+    return run
+
+
+def register_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callable) -> list:
+    """Register the engine's forward ``pre``- and ``post``-hooks on ``module``; returns their handles.
+
+    ``pre`` goes first among the module's pre-hooks (``prepend``): a user's pre-hook registered
+    before ``offload.wrap`` then reads the pinned weights, not empty placeholders (hooks registered
+    after wrap run after the engine's anyway). Both run outside inference mode
+    (``outside_inference_mode``). The class's methods, not the instance's: on a wrapped module those
+    are ``user_hooks``' for users' hooks (``register_external_parameter`` installs again)."""
+    cls = type(module)
+    return [cls.register_forward_pre_hook(module, outside_inference_mode(pre), prepend=True),
+            cls.register_forward_hook(module, outside_inference_mode(post))]

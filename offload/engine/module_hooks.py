@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import ConfigError, OffloadError, UnsupportedError
 from .gradients import GradCapture
-from .hooks import map_tensors, wrap_for_backward
+from .hooks import map_tensors, register_forward_hooks, wrap_for_backward
 from .pins import DevicePins
 from .pipeline import Parking, StepPipeline
 from .progress import StepProgress
@@ -118,8 +118,7 @@ class ModuleHooks:
             self._set_pin_set(module, pin_set)
             for p in own:
                 self.param_modules[id(p)].append(module)
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            self._handles += register_forward_hooks(module, self._pre_forward, self._post_forward)
         for p in self.params.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self)))
