@@ -39,8 +39,8 @@ def trained(path, steps=2, dtype="fp32"):
 # ---- copies ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["deepcopy", "deepcopy of a layer", "pickle", "torch.save", "copy.copy",
                                  "AveragedModel"])
-def test_copies_of_a_wrapped_model_are_refused_naming_what_to_do(tmp_path, how):
-    model, opt = trained(tmp_path)
+def test_copies_of_a_wrapped_model_are_refused_naming_what_to_do(disk_tmp, how):
+    model, opt = trained(disk_tmp)
     attempt = {"deepcopy": lambda: copy.deepcopy(model),
                "deepcopy of a layer": lambda: copy.deepcopy(model[0]),
                "pickle": lambda: pickle.dumps(model),
@@ -55,8 +55,8 @@ def test_copies_of_a_wrapped_model_are_refused_naming_what_to_do(tmp_path, how):
     assert not torch.equal(model.state_dict()["0.weight"], before["0.weight"])
 
 
-def test_a_copy_made_before_wrap_and_one_loaded_from_state_dict_hold_the_values(tmp_path):
-    model, _ = trained(tmp_path)
+def test_a_copy_made_before_wrap_and_one_loaded_from_state_dict_hold_the_values(disk_tmp):
+    model, _ = trained(disk_tmp)
     fresh = f8.make_model(seed=5)
     fresh.load_state_dict(model.state_dict())
     x, y = f8.batches(1)[0]
@@ -68,8 +68,8 @@ def test_a_copy_made_before_wrap_and_one_loaded_from_state_dict_hold_the_values(
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "float", "double", "to(float16)", "type(float16)",
                                   "layer.half"])
-def test_a_dtype_change_after_wrap_is_refused_naming_the_config(tmp_path, dtype, cast):
-    model = wrapped(tmp_path, dtype)
+def test_a_dtype_change_after_wrap_is_refused_naming_the_config(disk_tmp, dtype, cast):
+    model = wrapped(disk_tmp, dtype)
     have = DTYPES[dtype]
     do = {"half": lambda: model.half(), "bfloat16": lambda: model.bfloat16(), "float": lambda: model.float(),
           "double": lambda: model.double(), "to(float16)": lambda: model.to(torch.float16),
@@ -86,9 +86,9 @@ def test_a_dtype_change_after_wrap_is_refused_naming_the_config(tmp_path, dtype,
     assert model(x.to(have)).dtype == have
 
 
-def test_moving_to_the_compute_device_is_harmless(tmp_path):
+def test_moving_to_the_compute_device_is_harmless(disk_tmp):
     ref = f8.make_model()
-    model = wrapped(tmp_path)
+    model = wrapped(disk_tmp)
     opt = offload.AdamW(model.parameters(), lr=f8.LR)
     f8.train(model, opt, 1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=f8.LR)
@@ -105,7 +105,7 @@ def test_moving_to_the_compute_device_is_harmless(tmp_path):
 
 
 # ---- user hooks ------------------------------------------------------------------------------
-def test_user_hooks_see_real_weights_and_gradients(tmp_path):
+def test_user_hooks_see_real_weights_and_gradients(disk_tmp):
     """Hooks registered before and after wrap, on a layer whose chunk is evicted between uses."""
     ref = f8.make_model()
     plain = f8.make_model()
@@ -121,7 +121,7 @@ def test_user_hooks_see_real_weights_and_gradients(tmp_path):
 
     hook_up(ref, seen["ref"])
     hook_up(plain, seen["wrapped"])         # registered before wrap
-    model = wrapped(tmp_path, model=plain)
+    model = wrapped(disk_tmp, model=plain)
     hook_after(ref, seen["ref"])
     hook_after(model, seen["wrapped"])
     x, y = f8.batches(1)[0]
@@ -134,9 +134,9 @@ def test_user_hooks_see_real_weights_and_gradients(tmp_path):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), kind
 
 
-def test_a_gradient_hook_that_scales_is_honoured(tmp_path):
+def test_a_gradient_hook_that_scales_is_honoured(disk_tmp):
     """``p.register_hook`` returning a new gradient: the engine accumulates that one, as torch does."""
-    ref, model = f8.make_model(), wrapped(tmp_path)
+    ref, model = f8.make_model(), wrapped(disk_tmp)
     exact = float64_twin(ref)
     for m in (ref, model, exact):
         m[0].weight.register_hook(lambda g: g * 0.25)
@@ -159,10 +159,10 @@ def test_a_gradient_hook_that_scales_is_honoured(tmp_path):
 
 # ---- inference between training steps -----------------------------------------------------------
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
-def test_inference_between_training_steps_then_training_goes_on(tmp_path, mode):
+def test_inference_between_training_steps_then_training_goes_on(disk_tmp, mode):
     ref = f8.make_model()
     exact = float64_twin(ref)
-    model = wrapped(tmp_path)
+    model = wrapped(disk_tmp)
     runs = [(exact, torch.optim.AdamW(exact.parameters(), lr=f8.LR)),
             (ref, torch.optim.AdamW(ref.parameters(), lr=f8.LR)),
             (model, offload.AdamW(model.parameters(), lr=f8.LR))]
@@ -195,9 +195,9 @@ def test_inference_between_training_steps_then_training_goes_on(tmp_path, mode):
 
 
 # ---- parameter counts -------------------------------------------------------------------------------
-def test_num_parameters_counts_the_offloaded_values(tmp_path):
+def test_num_parameters_counts_the_offloaded_values(disk_tmp):
     ref = f8.make_model()
-    model = wrapped(tmp_path)
+    model = wrapped(disk_tmp)
     model[16].weight.requires_grad_(False)
     want = sum(p.numel() for p in ref.parameters())
     assert offload.num_parameters(model) == want
@@ -206,7 +206,7 @@ def test_num_parameters_counts_the_offloaded_values(tmp_path):
     assert offload.num_parameters(ref) == want
 
 
-def test_hf_num_parameters_of_a_wrapped_model_counts_the_offloaded_values(tmp_path):
+def test_hf_num_parameters_of_a_wrapped_model_counts_the_offloaded_values(disk_tmp):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
@@ -221,10 +221,10 @@ def test_hf_num_parameters_of_a_wrapped_model_counts_the_offloaded_values(tmp_pa
     assert got == want
 
 
-def test_a_hook_reading_another_modules_weight_pinned_by_register_external_parameter(tmp_path):
+def test_a_hook_reading_another_modules_weight_pinned_by_register_external_parameter(disk_tmp):
     """A root forward hook taking statistics of a layer's weight: the layer's chunk has left the
     device by then unless the root is told it uses that weight."""
-    model = wrapped(tmp_path)
+    model = wrapped(disk_tmp)
     offload.register_external_parameter(model, model[0].weight)
     norms = []
     model.register_forward_hook(lambda mod, a, o: norms.append(mod[0].weight.detach().norm().item()))
@@ -239,8 +239,8 @@ def test_a_hook_reading_another_modules_weight_pinned_by_register_external_param
                    "class .data does not keep, or meta tensors, whose device breaks model.device (HF) -- a "
                    "redesign of pins.ParamViews; README says to read "
                    "such weights through state_dict() or offload.register_external_parameter")
-def test_a_hook_reading_another_modules_weight_sees_values_or_an_error(tmp_path):
-    model = wrapped(tmp_path)
+def test_a_hook_reading_another_modules_weight_sees_values_or_an_error(disk_tmp):
+    model = wrapped(disk_tmp)
     norms = []
     model.register_forward_hook(lambda mod, a, o: norms.append(mod[0].weight.detach().norm().item()))
     try:
@@ -251,10 +251,10 @@ def test_a_hook_reading_another_modules_weight_sees_values_or_an_error(tmp_path)
     assert norms == [pytest.approx(model.state_dict()["0.weight"].norm().item(), rel=1e-6)]
 
 
-def test_buffers_stay_on_the_compute_device_and_a_float_cast_of_them_is_refused_with_the_rest(tmp_path):
+def test_buffers_stay_on_the_compute_device_and_a_float_cast_of_them_is_refused_with_the_rest(disk_tmp):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
-    model = wrapped(tmp_path, model=copy.deepcopy(ref))
+    model = wrapped(disk_tmp, model=copy.deepcopy(ref))
     with pytest.warns(UserWarning, match="stays on cpu"):
         model.to("meta")
     assert model[1].running_mean.device.type == "cpu"
@@ -267,7 +267,7 @@ def test_buffers_stay_on_the_compute_device_and_a_float_cast_of_them_is_refused_
     assert torch.allclose(model[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-7)
 
 
-def test_bf16_tinygpt_trains_the_same_with_inference_mode_generation_between_steps(tmp_path):
+def test_bf16_tinygpt_trains_the_same_with_inference_mode_generation_between_steps(disk_tmp):
     """Tied embeddings, a root-level parameter, attention and activation checkpointing, in bf16: an
     eval() + inference_mode() loop between steps changes nothing of the training that follows."""
     from tests.helpers.tiny_gpt import TinyGPT, batches
@@ -293,13 +293,13 @@ def test_bf16_tinygpt_trains_the_same_with_inference_mode_generation_between_ste
             losses.append(loss.item())
         return losses
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    (disk_tmp / "a").mkdir()
+    (disk_tmp / "b").mkdir()
     # The same arithmetic in the same order: equal to the bit.
-    assert run(True, tmp_path / "a") == run(False, tmp_path / "b")
+    assert run(True, disk_tmp / "a") == run(False, disk_tmp / "b")
 
 
-def test_peft_counts_of_a_wrapped_lora_model_are_the_values(tmp_path):
+def test_peft_counts_of_a_wrapped_lora_model_are_the_values(disk_tmp):
     peft = pytest.importorskip("peft")
     from tests.helpers.hf_models import tiny_llama
 
@@ -315,7 +315,7 @@ def test_peft_counts_of_a_wrapped_lora_model_are_the_values(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")      # layer 0's: no input needs a gradient
-def test_full_backward_hooks_read_the_weights_the_forward_used(tmp_path):
+def test_full_backward_hooks_read_the_weights_the_forward_used(disk_tmp):
     """Backward pre-hooks (on the output gradients, before the engine pinned the module for its
     backward) and backward hooks (after it let go, or with the pre-hooks when no input needs a
     gradient: layer 0), registered before and after wrap, read the module's real weights: the
@@ -333,7 +333,7 @@ def test_full_backward_hooks_read_the_weights_the_forward_used(tmp_path):
 
     weight_hooks(ref, seen["ref"], "before")
     weight_hooks(plain, seen["wrapped"], "before")
-    model = wrapped(tmp_path, model=plain)
+    model = wrapped(disk_tmp, model=plain)
     weight_hooks(ref, seen["ref"], "after")
     weight_hooks(model, seen["wrapped"], "after")
     for i in (0, 6, 16):
