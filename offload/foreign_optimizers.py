@@ -13,7 +13,8 @@ An optimizer passes when its class says it steps offloaded parameters
 (``steps_offloaded_parameters``: ``offload.AdamW``) or wraps one that does (``.optimizer``, as
 accelerate's ``AcceleratedOptimizer`` does), and when it holds no trainable parameter of an
 open engine (plain parameters, a frozen offloaded encoder under a head it trains). The verdict
-is kept per optimizer until its parameter groups or their ``requires_grad`` change.
+is kept per optimizer until its parameter groups or their ``requires_grad`` change, or a model
+is wrapped.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.We
 
 
 def install() -> None:
-    """Register the pre-hook on every optimizer's step (idempotent)."""
+    """Register the pre-hook on every optimizer's step (once), and forget the verdicts: each
+    ``offload.wrap`` calls it, and wrap keeps the parameter objects, so an optimizer that stepped
+    them before (same groups, same signature) would otherwise go on, updating nothing."""
     global _handle
     if _handle is None:
         _handle = register_optimizer_step_pre_hook(_before_any_step)
+    _checked.clear()
 
 
 def steps_offloaded(optimizer) -> bool:

@@ -101,3 +101,26 @@ def test_optimizers_that_meet_a_wrapped_model_legitimately_step():
             trained.offload_engine.close()
     finally:
         encoder.offload_engine.close()
+
+
+def test_a_torch_optimizer_that_stepped_before_its_model_was_wrapped_is_refused_after():
+    """The verdict cached at a step before ``offload.wrap`` (the hook already installed by another
+    wrapped model) must not let the same optimizer through once its parameters are placeholders:
+    wrap keeps the parameter objects, so the groups look unchanged while the step updates nothing."""
+    other = wrapped()
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = batches(1)[0]
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        offload.wrap(model, offload.OffloadConfig(device="cpu", dtype="fp32", chunk_size=2048))
+        try:
+            loss_of(model, x, y).backward()
+            with pytest.raises(ConfigError, match=r"holds '0\.weight'.*offload\.AdamW"):
+                opt.step()
+        finally:
+            model.offload_engine.close()
+    finally:
+        other.offload_engine.close()
