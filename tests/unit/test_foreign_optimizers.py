@@ -124,3 +124,28 @@ def test_a_torch_optimizer_that_stepped_before_its_model_was_wrapped_is_refused_
             model.offload_engine.close()
     finally:
         other.offload_engine.close()
+
+
+def test_offload_adamw_built_before_wrap_trains_as_one_built_after():
+    """``offload.AdamW(model.parameters())`` then ``offload.wrap(model)`` (an optimizer made before
+    the model is prepared, as accelerate-style loops do): its class lets the hook pass it, so
+    it must train the wrapped parameters, the same as one built after wrap, not skip them."""
+    models, opts = [], []
+    try:
+        for before_wrap in (True, False):
+            model = make_model()
+            opt = offload.AdamW(model.parameters(), lr=1e-2) if before_wrap else None
+            offload.wrap(model, offload.OffloadConfig(device="cpu", dtype="fp32", chunk_size=2048))
+            models.append(model)
+            opts.append(opt or offload.AdamW(model.parameters(), lr=1e-2))
+        start = weights(models[1])
+        for x, y in batches(3):
+            for model, opt in zip(models, opts):
+                loss_of(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert not all(torch.equal(a, b) for a, b in zip(start, weights(models[1])))
+        assert all(torch.equal(a, b) for a, b in zip(weights(models[0]), weights(models[1])))
+    finally:
+        for model in models:
+            model.offload_engine.close()
