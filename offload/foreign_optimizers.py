@@ -19,6 +19,7 @@ is wrapped.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -28,6 +29,7 @@ from .engine.access import engine_of
 from .errors import ConfigError
 
 _handle = None
+_requires_grad = operator.attrgetter("requires_grad")
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -52,9 +54,11 @@ def steps_offloaded(optimizer) -> bool:
 
 
 def _groups_signature(optimizer) -> tuple:
-    # Which parameters require a gradient is part of it: a frozen wrapped encoder thawed later
-    # (staged unfreezing) would otherwise go on untrained, silently (a pass of attribute reads).
-    return tuple((id(g["params"]), len(g["params"]), sum(p.requires_grad for p in g["params"]))
+    # Which parameters they are, and which of them require a gradient, each: a frozen wrapped
+    # encoder thawed later (staged unfreezing) would otherwise go on untrained, silently, and a
+    # count would miss it when as many plain ones were frozen with it, or a parameter replaced
+    # in its group's list. Two C-level passes (map): about 0.12 us a parameter per step.
+    return tuple((tuple(map(id, g["params"])), tuple(map(_requires_grad, g["params"])))
                  for g in optimizer.param_groups)
 
 

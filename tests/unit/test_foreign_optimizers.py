@@ -149,3 +149,28 @@ def test_offload_adamw_built_before_wrap_trains_as_one_built_after():
     finally:
         for model in models:
             model.offload_engine.close()
+
+
+def test_thawing_wrapped_parameters_while_freezing_as_many_plain_ones_is_refused():
+    """Staged training that swaps which part trains (the head frozen, as many wrapped parameters
+    thawed): the groups hold as many trainable parameters as before, yet now wrapped ones."""
+    encoder = wrapped()
+    try:
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        head = nn.Linear(64, 64)
+        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
+        x, y = batches(1)[0]
+        loss_of(head, encoder(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        thawed = list(encoder.parameters())[-len(list(head.parameters())):]
+        for p in head.parameters():
+            p.requires_grad_(False)
+        for p in thawed:
+            p.requires_grad_(True)
+        loss_of(head, encoder(x), y).backward()
+        with pytest.raises(ConfigError, match="offload.AdamW"):
+            opt.step()
+    finally:
+        encoder.offload_engine.close()
