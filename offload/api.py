@@ -223,7 +223,12 @@ class AdamW(CPUAdamW):
         return self.max_grad_norm is not None or self.clips_expected is not False or self.hypers_set_late
 
     def _before_step(self) -> None:
-        _refuse_thawed(p for g in self.param_groups for p in g["params"])
+        params = [p for g in self.param_groups for p in g["params"]]
+        _refuse_thawed(params)
+        # Built before offload.wrap (accelerate-style: optimizer, then prepare): the engines came
+        # after __init__ attached none, and each would leave its parameters unchanged, silently.
+        if any(e is not None and e not in self._engines for e in map(engine_of, params)):
+            self._attach_engines()
         try:
             for e in self._engines:
                 e.step()

@@ -101,3 +101,76 @@ def test_optimizers_that_meet_a_wrapped_model_legitimately_step():
             trained.offload_engine.close()
     finally:
         encoder.offload_engine.close()
+
+
+def test_a_torch_optimizer_that_stepped_before_its_model_was_wrapped_is_refused_after():
+    """The verdict cached at a step before ``offload.wrap`` (the hook already installed by another
+    wrapped model) must not let the same optimizer through once its parameters are placeholders:
+    wrap keeps the parameter objects, so the groups look unchanged while the step updates nothing."""
+    other = wrapped()
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x, y = batches(1)[0]
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        offload.wrap(model, offload.OffloadConfig(device="cpu", dtype="fp32", chunk_size=2048))
+        try:
+            loss_of(model, x, y).backward()
+            with pytest.raises(ConfigError, match=r"holds '0\.weight'.*offload\.AdamW"):
+                opt.step()
+        finally:
+            model.offload_engine.close()
+    finally:
+        other.offload_engine.close()
+
+
+def test_offload_adamw_built_before_wrap_trains_as_one_built_after():
+    """``offload.AdamW(model.parameters())`` then ``offload.wrap(model)`` (an optimizer made before
+    the model is prepared, as accelerate-style loops do): its class lets the hook pass it, so
+    it must train the wrapped parameters, the same as one built after wrap, not skip them."""
+    models, opts = [], []
+    try:
+        for before_wrap in (True, False):
+            model = make_model()
+            opt = offload.AdamW(model.parameters(), lr=1e-2) if before_wrap else None
+            offload.wrap(model, offload.OffloadConfig(device="cpu", dtype="fp32", chunk_size=2048))
+            models.append(model)
+            opts.append(opt or offload.AdamW(model.parameters(), lr=1e-2))
+        start = weights(models[1])
+        for x, y in batches(3):
+            for model, opt in zip(models, opts):
+                loss_of(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert not all(torch.equal(a, b) for a, b in zip(start, weights(models[1])))
+        assert all(torch.equal(a, b) for a, b in zip(weights(models[0]), weights(models[1])))
+    finally:
+        for model in models:
+            model.offload_engine.close()
+
+
+def test_thawing_wrapped_parameters_while_freezing_as_many_plain_ones_is_refused():
+    """Staged training that swaps which part trains (the head frozen, as many wrapped parameters
+    thawed): the groups hold as many trainable parameters as before, yet now wrapped ones."""
+    encoder = wrapped()
+    try:
+        for p in encoder.parameters():
+            p.requires_grad_(False)
+        head = nn.Linear(64, 64)
+        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
+        x, y = batches(1)[0]
+        loss_of(head, encoder(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        thawed = list(encoder.parameters())[-len(list(head.parameters())):]
+        for p in head.parameters():
+            p.requires_grad_(False)
+        for p in thawed:
+            p.requires_grad_(True)
+        loss_of(head, encoder(x), y).backward()
+        with pytest.raises(ConfigError, match="offload.AdamW"):
+            opt.step()
+    finally:
+        encoder.offload_engine.close()
