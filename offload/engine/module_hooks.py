@@ -214,9 +214,8 @@ class ModuleHooks:
         return wrap_for_backward(args, lambda m=module: self._release_backward_pins(m))
 
     def _release_after_each_use(self, module: nn.Module, args):
-        """A module whose parameters have several uses in a forward (called again, as ALBERT's layer
-        is at every depth, or tied to another module) gets its gradients after its first use's
-        backward: each later use lets go of its pin when its backward reaches its inputs, not then."""
+        """Parameters with several uses in a forward (a layer called at every depth, or tied) get their
+        gradients after the first use's backward: each later use's pin goes once it reaches its inputs."""
         if (module in self.called or module in self.tied) and self.grad_counts[module] and torch.is_grad_enabled():
             args = wrap_for_backward(args, lambda m=module: self._release_one_use(m))
         self.called.add(module)
@@ -302,8 +301,9 @@ class ModuleHooks:
                 self.timeline.start(("backward", module))
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.grads.capture(p):
-            return
+        # Autograd runs this hook with p.grad None too, when no path carried a gradient to p (an
+        # output the loss ignores): p is done with for this backward all the same.
+        self.grads.capture(p)
         for module in self.param_modules[id(p)]:
             if module in self.bwd_remaining:
                 self.bwd_remaining[module] -= 1
