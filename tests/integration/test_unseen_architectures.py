@@ -215,9 +215,10 @@ def moved_through_nvme(model) -> bool:
 
 # ---- fp32: as close to the exact run as plain PyTorch -----------------------------------------
 
-def fp32_run(path, name, steps=6, **kw):
+def fp32_run(path, name, steps=6, prepare=lambda model: None, **kw):
     _, batches, loss_of = CASES[name]
     ref = build(name)
+    prepare(ref)
     mine, exact = copy.deepcopy(ref), float64_twin(ref)
     model = offload.wrap(mine, config(path, **kw))
     runs = [(model, offload.AdamW(model.parameters(), lr=LR, weight_decay=WD))]
@@ -235,6 +236,17 @@ def test_fp32_training_at_the_smallest_budget_matches_torch_adamw(disk_tmp, name
     backward to the first's, so every chunk of the layer stayed on the device for the whole
     backward and the smallest budget wrap accepts ran out (TierFullError) in the first step."""
     fp32_run(disk_tmp, name).offload_engine.close()
+
+
+@pytest.mark.xfail(strict=True, raises=offload.OffloadError, reason=(
+    "activation checkpointing re-runs a layer's forward inside backward, and the recompute's pins are "
+    "held until each module's gradients arrive (torch.utils.checkpoint's own saved-tensor hooks keep "
+    "views of the chunk buffers): every chunk of the layer is pinned at once, more than the smallest "
+    "budget wrap accepts (the largest chunk and two bulk ones)"))
+def test_activation_checkpointing_at_the_smallest_budget(disk_tmp):
+    from tests.integration.test_engine_hf_llama import checkpointing
+
+    fp32_run(disk_tmp, "bert", prepare=checkpointing).offload_engine.close()
 
 
 def test_a_forward_that_changes_order_and_skips_a_module_matches_torch_adamw(disk_tmp):
