@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import offload
+from tests.helpers.hf_models import checkpointing
 from tests.helpers.trajectory import assert_run_within_drift, float64_twin, train_in_lockstep
 
 transformers = pytest.importorskip("transformers")
@@ -244,8 +245,6 @@ def test_fp32_training_at_the_smallest_budget_matches_torch_adamw(disk_tmp, name
     "views of the chunk buffers): every chunk of the layer is pinned at once, more than the smallest "
     "budget wrap accepts (the largest chunk and two bulk ones)"))
 def test_activation_checkpointing_at_the_smallest_budget(disk_tmp):
-    from tests.integration.test_engine_hf_llama import checkpointing
-
     fp32_run(disk_tmp, "bert", prepare=checkpointing).offload_engine.close()
 
 
