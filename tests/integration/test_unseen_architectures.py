@@ -1,14 +1,14 @@
 """Model shapes the engine's trace and hooks were not written against, each held to plain PyTorch:
 one module called several times per forward (ALBERT's shared layer, a block looped 3x), encoder-
 decoders (T5's shared embedding and first-layer relative bias, BART) trained and then generating
-with a KV cache, BERT MLM, ViT on pixels, and a forward that skips a module on some steps (the
-trace recorded on step 1 meets another order later).
+with a KV cache, BERT MLM, ViT on pixels, and forwards that skip modules on some steps (a custom
+branch on step parity, BART's LayerDrop): the trace recorded on step 1 meets another order later.
 
 fp32 runs must stay as close to the float64 run as plain fp32 PyTorch does (tests/helpers/trajectory.py
 derives the bound); 8-bit moments must stay within the 8-bit map's lr band around torch AdamW
-(tests/unit/test_adam8bit_training.py derives it), and with a bf16 master compute bit for bit what
-the scheme does on the same flat chunks in plain PyTorch (tests/helpers/flat8.py). Budgets are small enough that chunks
-move through the CPU tier and NVMe on every step."""
+(tests/unit/test_adam8bit_training.py derives it), and with a bf16 master compute bit for bit
+what the scheme does on the same flat chunks in plain PyTorch (tests/helpers/flat8.py). Budgets
+are the smallest wrap accepts, so chunks move through the CPU tier and NVMe on every step."""
 
 from __future__ import annotations
 
