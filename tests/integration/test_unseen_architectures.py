@@ -7,8 +7,8 @@ branch on step parity, BART's LayerDrop): the trace recorded on step 1 meets ano
 fp32 runs must stay as close to the float64 run as plain fp32 PyTorch does (tests/helpers/trajectory.py
 derives the bound); 8-bit moments must stay within the 8-bit map's lr band around torch AdamW
 (tests/unit/test_adam8bit_training.py derives it), and with a bf16 master compute bit for bit
-what the scheme does on the same flat chunks in plain PyTorch (tests/helpers/flat8.py). Budgets
-are the smallest wrap accepts, so chunks move through the CPU tier and NVMe on every step."""
+what the scheme does on the same flat chunks in plain PyTorch (tests/helpers/flat8.py). The device
+budget is the smallest wrap accepts, so chunks move through the CPU tier and NVMe on every step."""
 
 from __future__ import annotations
 
