@@ -27,7 +27,8 @@ from . import build, lifetime
 from .access import EngineChunks
 from .activation_hooks import make_activation_store
 from .gradients import GradCapture
-from .module_hooks import ModuleHooks, autograd_running
+from .hooks import autograd_running
+from .module_hooks import ModuleHooks
 from .params import DTYPES, ChunkedParams
 from .pins import DevicePins, ParamViews
 from .pipeline import Parking, StepPipeline

@@ -4,14 +4,16 @@ Forward: a pre-hook pins the module's chunks on the compute device (their parame
 become views), a post-hook unpins them. Backward: the post-hook wraps the module's outputs in an
 identity autograd function whose backward runs just before the module's own backward and pins
 the chunks again; they are released once every parameter of the module has its gradient (or
-when the whole backward ends). ``torch.utils.checkpoint`` re-runs forward inside backward: pins
-taken then are tied to the backward and released the same way, so a recompute that stops early
-(and never reaches its post-hook) leaks nothing.
+when the whole backward ends; a parameter with several uses in one forward: after each use's,
+``ModuleHooks._release_after_each_use``). ``torch.utils.checkpoint`` re-runs forward inside
+backward: pins taken then are tied to the backward and released the same way, so a recompute
+that stops early (and never reaches its post-hook) leaks nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -98,3 +100,22 @@ def register_forward_hooks(module: torch.nn.Module, pre: Callable, post: Callabl
     cls = type(module)
     return [cls.register_forward_pre_hook(module, outside_inference_mode(pre), prepend=True),
             cls.register_forward_hook(module, outside_inference_mode(post))]
+
+
+def autograd_running() -> bool:
+    """Whether a backward is running on this thread: no public API (FSDP2 asks the same way)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def weak_grad_hook(hooks):
+    """``hooks._on_grad`` holding ``hooks`` (a ``ModuleHooks``) weakly: torch keeps post-accumulate-grad
+    hooks where the garbage collector cannot see them, so a bound method there made a cycle
+    (parameter, hook, engine) that was never freed, and a dropped engine kept its device chunks
+    allocated for good."""
+    ref = weakref.ref(hooks)
+
+    def on_grad(p: torch.nn.Parameter) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad(p)
+    return on_grad

@@ -1,18 +1,17 @@
 """Forward and backward module hooks: which chunks each module needs, pinned around its compute.
 
-Forward: a pre-hook pins the module's chunks on the compute device (waiting for their update
-from the last step first) and a post-hook unpins them and wraps the outputs so that their
-backward pins the chunks again (``hooks.wrap_for_backward``). Pins taken in backward are
-released once every parameter of the module has its gradient, or when backward ends. Each pin
-tells the trace prefetcher where the iteration is, and it fetches what comes next (``pins.py``).
-The root module's forward begins an iteration; the first backward hook begins a backward, and an
-autograd callback ends it (or the next forward or ``zero_grad`` finds it abandoned).
+Forward: a pre-hook pins the module's chunks on the compute device (after their update from the
+last step) and a post-hook unpins them and wraps the outputs so that their backward pins the chunks
+again (``hooks.wrap_for_backward``). Backward pins go once every parameter of the module has its
+gradient (for a parameter with several uses, after each use), or when backward ends. Each pin tells
+the trace prefetcher where the iteration is, and it fetches what comes next (``pins.py``). The root
+module's forward begins an iteration; the first backward hook begins a backward, and an autograd
+callback ends it (or the next forward or ``zero_grad`` finds it abandoned).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -21,31 +20,13 @@ from torch import nn
 
 from ..errors import ConfigError, OffloadError, UnsupportedError
 from .gradients import GradCapture
-from .hooks import map_tensors, register_forward_hooks, wrap_for_backward
+from .hooks import autograd_running, map_tensors, register_forward_hooks, weak_grad_hook, wrap_for_backward
 from .pins import DevicePins
 from .pipeline import Parking, StepPipeline
 from .progress import StepProgress
 from .saved import SavedParameterViews
 from .stepper import ScaleGrad
 from .updates import ReadyGradients, UpdateQueue
-
-
-def autograd_running() -> bool:
-    """Whether a backward is running on this thread: no public API (FSDP2 asks the same way)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def weak_grad_hook(hooks: "ModuleHooks"):
-    """``hooks._on_grad`` holding ``hooks`` weakly: torch keeps post-accumulate-grad hooks where the
-    garbage collector cannot see them, so a bound method there made a cycle (parameter, hook,
-    engine) that was never freed, and a dropped engine kept its device chunks allocated for good."""
-    ref = weakref.ref(hooks)
-
-    def on_grad(p: nn.Parameter) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._on_grad(p)
-    return on_grad
 
 
 class ModuleHooks:
@@ -78,6 +59,7 @@ class ModuleHooks:
         self.streams = streams
         self.timeline = timeline
         self.closed = False
+        self.called: set[nn.Module] = set()      # modules called so far in this forward
         self.splitting: str | None = None        # "input" / "weight": in a split backward's pass
         self._handles: list = []
         self._new_backward()
@@ -122,6 +104,7 @@ class ModuleHooks:
         for p in self.params.params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self)))
+        self.tied = {m for m, own in self.module_params.items() if any(len(self.param_modules[id(p)]) > 1 for p in own)}
 
     def close(self) -> None:
         """The engine closed: a forward from now on raises."""
@@ -197,6 +180,7 @@ class ModuleHooks:
             if module not in self.bwd_remaining:
                 self.bwd_remaining[module] = self.grad_counts[module]
             return args
+        args = self._release_after_each_use(module, args)
         for outer in self.active:
             if outer in self.discovering:
                 self.called_within[outer].add(module)
@@ -228,6 +212,14 @@ class ModuleHooks:
         if self.grad_counts[module] or module is self.model or not torch.is_grad_enabled():
             return args
         return wrap_for_backward(args, lambda m=module: self._release_backward_pins(m))
+
+    def _release_after_each_use(self, module: nn.Module, args):
+        """Parameters with several uses in a forward (a layer called at every depth, or tied) get their
+        gradients after the first use's backward: each later use's pin goes once it reaches its inputs."""
+        if (module in self.called or module in self.tied) and self.grad_counts[module] and torch.is_grad_enabled():
+            args = wrap_for_backward(args, lambda m=module: self._release_one_use(m))
+        self.called.add(module)
+        return args
 
     def _post_forward(self, module: nn.Module, args, output):
         if self.progress.in_backward:
@@ -269,6 +261,7 @@ class ModuleHooks:
                 self._unpin(c)
         self.active.clear()
         self.fwd_pinned.clear()
+        self.called.clear()
         self.pipeline.check_intact()        # a failed NVMe request may have left half a step
         if self.progress.applied:
             raise OffloadError(
@@ -308,13 +301,20 @@ class ModuleHooks:
                 self.timeline.start(("backward", module))
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.grads.capture(p):
-            return
+        # Autograd runs this hook with p.grad None too, when no path carried a gradient to p (an
+        # output the loss ignores): p is done with for this backward all the same.
+        self.grads.capture(p)
         for module in self.param_modules[id(p)]:
             if module in self.bwd_remaining:
                 self.bwd_remaining[module] -= 1
                 if self.bwd_remaining[module] <= 0:
                     self._release_backward_pins(module)
+
+    def _release_one_use(self, module: nn.Module) -> None:
+        if self.bwd_pins.get(module, 0) > 0:
+            self.bwd_pins[module] -= 1
+            for c in self.module_chunks[module]:
+                self._unpin(c)
 
     def _release_backward_pins(self, module: nn.Module) -> None:
         started = self.bwd_started.pop(module, None)

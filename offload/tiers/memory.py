@@ -144,11 +144,15 @@ class MemoryTier:
             buf = self._from_arena(nbytes) if nbytes >= ARENA_PAGE else self._small(nbytes)
             self.in_use += nbytes
             return buf
-        size = nbytes if self._pooled[nbytes] else self._pooled_fit(nbytes)
-        if size is not None:
-            buf = self._pooled[size].pop()
-            self._pooled_bytes -= size
-            self.in_use += size         # the whole buffer is in use until it is freed
+        if self._pooled[nbytes]:
+            # Only a buffer of the exact size: a larger one would count its unused bytes against the
+            # budget for as long as its chunk is pinned, and pinned chunks holding such waste ran a
+            # budget the engine had accepted out of room once the access order changed (a forward
+            # skipping a module, generate after training). A size with nothing pooled releases
+            # pooled buffers (the caching allocator keeps the memory) and takes a buffer its size.
+            buf = self._pooled[nbytes].pop()
+            self._pooled_bytes -= nbytes
+            self.in_use += nbytes
             return buf
         self._shrink_pool(self.budget - nbytes - self.in_use)
         buf = self._new_buffer(nbytes)
@@ -172,15 +176,6 @@ class MemoryTier:
             self._fences[buf.data_ptr()] = [*self._fences.get(buf.data_ptr(), ()), *fences]
         self._pooled[nbytes].append(buf)
         self._pooled_bytes += nbytes
-
-    def _pooled_fit(self, nbytes: int) -> int | None:
-        """The smallest pooled size that can serve ``nbytes`` without wasting more than half of
-        it. Chunks come in a few sizes (bulk, each class's last chunk, oversized parameters'): a
-        request of a size with nothing pooled takes a slightly larger buffer rather than free one
-        and allocate anew, which, with the budget full, repeats every step. Callers use the
-        first ``nbytes`` of what they get."""
-        fits = [size for size, pool in self._pooled.items() if pool and nbytes < size <= 2 * nbytes]
-        return min(fits, default=None)
 
     def take_fences(self, buf: torch.Tensor) -> list:
         """The events ``buf``'s previous users end with (and forget them): wait for them on the

@@ -65,3 +65,11 @@ def hf_load(directory, dtype=torch.float32):
 
 def token_batch(seed: int = 0, rows: int = 2, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def checkpointing(model):
+    # transformers 5.x renamed gradient_checkpointing_enable (kept, deprecated); 4.x has only the old name.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -8,20 +8,12 @@ import pytest
 import torch
 
 import offload
-from tests.helpers.hf_models import tiny_llama
+from tests.helpers.hf_models import checkpointing, tiny_llama
 from tests.helpers.trajectory import assert_run_within_drift, float64_twin, train_in_lockstep
 
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
-
-
-def checkpointing(model):
-    # transformers 5.x renamed gradient_checkpointing_enable (kept, deprecated); 4.x has only the old name.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def data(n, seed=0):

@@ -112,21 +112,17 @@ def test_store_round_trips_chunks_of_different_sizes_through_nvme(tmp_path_facto
         nvme.close()
 
 
-def test_device_pool_serves_a_new_size_from_a_slightly_larger_buffer():
-    """With the budget full of pooled bulk buffers, a class's smaller last chunk takes one of them
-    instead of freeing one and allocating anew every step; a much smaller request does not."""
-    tier = MemoryTier("device", 3 * 4096, "cpu")
-    for buf in [tier.allocate(4096) for _ in range(3)]:
+def test_device_pool_hands_a_chunk_a_buffer_of_its_own_size():
+    """A size with nothing pooled gets a buffer of its size, not a pooled one up to twice as big:
+    the bigger one's unused bytes counted against the budget while its chunk was pinned, and four
+    pinned 2 KiB chunks in 4 KiB buffers left no room for the 4 KiB one the budget still covers."""
+    tier = MemoryTier("device", 4 * 4096, "cpu")
+    for buf in [tier.allocate(4096) for _ in range(4)]:
         tier.free(buf)
-    made = []
-    new_buffer = tier._new_buffer
-    tier._new_buffer = lambda n: made.append(n) or new_buffer(n)
-    for _ in range(4):
-        small, bulk = tier.allocate(3072), tier.allocate(4096)
-        assert small.numel() == 4096 and tier.in_use == 8192 <= tier.budget
-        tier.free(small)
-        tier.free(bulk)
-    assert made == [] and tier.reserved == 3 * 4096
-    tiny = tier.allocate(1024)                  # over 2x smaller: a buffer of its own size
-    assert tiny.numel() == 1024 and made == [1024] and tier.reserved <= tier.budget
-    tier.free(tiny)
+    held = [tier.allocate(2048) for _ in range(4)]          # pinned, say, all at once
+    assert all(b.numel() == 2048 for b in held) and tier.in_use == 8192
+    held += [tier.allocate(4096), tier.allocate(4096)]
+    assert tier.in_use == tier.budget and tier.reserved <= tier.budget
+    for buf in held:
+        tier.free(buf)
+    assert tier.in_use == 0 and tier.reserved <= tier.budget
