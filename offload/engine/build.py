@@ -92,12 +92,14 @@ def with_quantum(sharding, precision: StatePrecision):
 
 
 def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.dtype, device_budget: int,
-                 cpu_budget: int, sharding, precision: StatePrecision | None = None) -> ChunkLayout:
+                 cpu_budget: int, sharding, precision: StatePrecision | None = None,
+                 staged: bool = False) -> ChunkLayout:
     """The chunk layout (the same on every rank, checked), refused when the budgets cannot hold
     the minimum working set of one step (``min_device_bytes`` and ``min_cpu_bytes``: the planner
     refuses by the same rules). The layout does not depend on the number of ranks (each keeps a
     piece of every chunk); every rank computes it from the same inputs (the model, the agreed
-    budgets), and checks that the others did."""
+    budgets), and checks that the others did. ``staged``: the device tier is a tier of its own and
+    NVMe lies below, so a chunk read for compute passes through the CPU tier."""
     layout = ChunkLayout.build([(n, shapes.get(id(p), p.shape)) for n, p in named], config.chunk_size,
                                max_chunk=auto_max_chunk(device_budget, cpu_budget),
                                frozen={n for n, p in named if not p.requires_grad})
@@ -114,7 +116,11 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
     # Counted by the state's precision (8-bit moments, a bf16 master): the same as min_cpu_bytes at fp32.
     update = min_cpu_bytes(largest, e) if precision is None else precision.update_bytes(largest)
     resident = 0 if precision is None else precision.resident_bytes(trainable)
-    need_cpu = max(update, piece(layout.largest_chunk) * e) + resident
+    # Updates overlap the next forward, whose chunks come up from NVMe through the CPU tier: with
+    # the largest update pinned there, one chunk on its way to the device must fit beside it (or the
+    # optimizer's worker found the tier full of its own update and a chunk in transit, and failed).
+    transit = piece(layout.largest_chunk) * e if staged else 0
+    need_cpu = max(update, piece(layout.largest_chunk) * e) + resident + transit
     groups = (f"; under {sharding.world} ranks, whole chunks gathered from the pieces and gradient "
               f"chunks being reduce-scattered" if sharding else "")
     why = (f"chunks are {n} elements (the largest has {layout.largest_chunk}); "
@@ -130,6 +136,8 @@ def build_layout(named: list, shapes: dict, config: OffloadConfig, dtype: torch.
         raise ConfigError("cpu_budget", cpu_budget,
                           f"holds less than the {format_bytes(need_cpu)} one chunk's optimizer update "
                           f"needs (gradient, master, exp_avg, exp_avg_sq, parameters{at})"
+                          + (f" with a chunk on its way from NVMe to the device beside it "
+                             f"({format_bytes(transit)})" if transit else "")
                           + (f" beside the block scales of every chunk, held in memory "
                              f"({format_bytes(resident)})" if resident else "") + f": {why}")
     return layout

@@ -62,8 +62,9 @@ class OffloadEngine:
             self.device_budget, self.cpu_budget = agreed_budgets(self.device_budget, self.cpu_budget, dp.group)
         lazy = lazy_record(model)
         named, shapes = build.offloaded_parameters(model, self.dtype, self.device, lazy)
+        staged = config.nvme_paths is not None and not (self.device.type == "cpu" and config.merge_host_tiers)
         self.layout = build.build_layout(named, shapes, config, self.dtype, self.device_budget, self.cpu_budget, dp,
-                                         self.precision)
+                                         self.precision, staged=staged)
         self.policy = make_policy(config.eviction, auto_advance=False)    # the prefetcher moves its clock
         streams = build.copy_streams(self.device)
         # With tracing on a GPU, the trace also shows when kernels and copies ran (not only queued).

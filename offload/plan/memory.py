@@ -107,6 +107,8 @@ class Memory:
     """{"device"|"cpu"|"nvme": {"bytes": total, <kind>: bytes, ...}}"""
     nvme_needed: int
     """NVMe space reserved: a slot for every chunk of every kind, and the activations' spill."""
+    cpu_transit: int = 0
+    """Part of ``cpu_min``: one chunk on its way from NVMe to the GPU beside Adam's chunks."""
 
     @property
     def state_bytes(self) -> int:
@@ -120,11 +122,13 @@ class Memory:
 
 
 def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: dict, layer_params: int,
-                world: int, device_budget: int, cpu_budget: int, hold_grads: bool, nvme_tier: bool) -> Memory:
+                world: int, device_budget: int, cpu_budget: int, hold_grads: bool, nvme_tier: bool,
+                staged: bool = False) -> Memory:
     """Put the state of ``chunks`` (the rank's) on the device, the CPU and NVMe; ``per_elem``: bytes
     per element of each kind (``precision.state_per_elem``); ``layer_params``: elements of one
     decoder layer; ``hold_grads``: gradients are held whole until the update (a deferred step, or
-    micro-batches accumulating into them); ``nvme_tier``: is there one?"""
+    micro-batches accumulating into them); ``nvme_tier``: is there one? ``staged``: chunks come up
+    from NVMe to a GPU through the CPU tier (without a GPU the engine's two host tiers are one)."""
     e = per_elem["params"]
     # 8-bit moments cost a fractional byte per element (their block scales): round up per kind
     total = {k: math.ceil((chunks.elems if k == "params" else chunks.trained) * b) for k, b in per_elem.items()}
@@ -148,7 +152,10 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: di
     one_set = min_cpu_bytes(chunks.largest_trained, e) if per_elem == _fp32_kinds(e) else set_bytes
     lower = dict(total)            # what lives below the device
     resident = lower.pop("scales", 0)        # 8-bit block scales: in host memory throughout, no slot
-    cpu_min = max(one_set, chunks.largest_piece * e) + resident
+    # one chunk on its way from NVMe to the device passes the CPU tier beside the largest update
+    # (updates overlap the next forward): the engine's rule (engine/build.py, ``staged``)
+    transit = chunks.largest_piece * e if staged else 0
+    cpu_min = max(one_set, chunks.largest_piece * e) + resident + transit
     working = min(CPU_WORKING_SETS * set_bytes, cpu_budget, state_bytes)
     # consumed by Adam as they arrive, unless held whole
     lower["grads"] = total["grads"] if hold_grads else 0
@@ -166,7 +173,7 @@ def place_state(chunks: RankChunks, placed: ActivationPlacement, *, per_elem: di
     nvme_needed = state_bytes - resident + placed.spill_bytes if nvme_tier else 0
     return Memory(per_elem=per_elem, total=total, all_params=all_params, dev_params=dev_params,
                   device_min=device_min, cpu_min=cpu_min, working=working, spill=spill, tiers=tiers,
-                  nvme_needed=nvme_needed)
+                  nvme_needed=nvme_needed, cpu_transit=transit)
 
 
 def max_batch_tokens(hw: Hardware, placed: ActivationPlacement, device_budget: int, cpu_budget: int, *,
@@ -202,6 +209,8 @@ def fit_problems(hw: Hardware, po: Policy, mem: Memory, chunks: RankChunks, plac
             f"({format_size(mem.cpu_min)}: {chunks.largest_trained:,} elements x {sum(mem.per_elem.values()):.4g} B"
             + ("" if world == 1 else ", this rank's piece of the largest trainable chunk") +
             ") that Adam needs at once"
+            + (f", and one chunk on its way from NVMe to the GPU ({format_size(mem.cpu_transit)})"
+               if mem.cpu_transit else "")
             + (f", beside the 8-bit block scales of every chunk, held in RAM ({format_size(mem.total['scales'])})"
                if mem.total.get("scales") else ""))
     if gpu and device_budget + act_total + GPU_WORKSPACE > hw.gpu_mem:

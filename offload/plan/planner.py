@@ -103,7 +103,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
     per_elem = state_per_elem(po.dtype, e, po.optimizer_state, po.master)
     mem = place_state(chunks, placed, per_elem=per_elem, layer_params=layer_params, world=world,
                       device_budget=device_budget, cpu_budget=cpu_budget, hold_grads=po.defer_step or k > 1,
-                      nvme_tier=hw.nvme_capacity > 0)
+                      nvme_tier=hw.nvme_capacity > 0, staged=gpu and hw.nvme_capacity > 0)
     moved = traffic(mem, chunks, placed, micro_batches=k, world=world, gpu=gpu)
     timing = step_time(cfg, hw, po, moved, chunks, params=n, trained_params=n_trained, seq=seq,
                      rank_tokens=rank_tokens)
