@@ -139,7 +139,7 @@ class ModuleHooks:
         self.install()
 
     # ---- pins --------------------------------------------------------------------------
-    def _pin_updated(self, chunks: list[int]) -> None:
+    def pin_updated(self, chunks: list[int]) -> None:
         """Pin ``chunks`` once their updates from the last step are done (all waits first: one
         that raises leaves nothing pinned)."""
         for c in chunks:
@@ -173,7 +173,7 @@ class ModuleHooks:
             if torch.is_grad_enabled():
                 self.saved.enter()
         chunks = self.module_chunks[module]
-        self._pin_updated(chunks)
+        self.pin_updated(chunks)
         args = self._release_after_own_backward(module, args)
         if p.in_backward:        # a checkpoint recompute: these pins belong to the backward
             self.bwd_pins[module] += 1
@@ -291,7 +291,7 @@ class ModuleHooks:
             self.pipeline.begin_backward(input_only=self.splitting == "input")
             # Run once this backward ends. torch has no public API for it; FSDP2 and DDP use this one.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self._pin_updated(self.module_chunks[module])
+        self.pin_updated(self.module_chunks[module])
         self.bwd_pins[module] += 1
         if module not in self.bwd_remaining:
             self.bwd_remaining[module] = self.grad_counts[module]

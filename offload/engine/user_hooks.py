@@ -52,12 +52,7 @@ def pin(hooks, module: nn.Module) -> list[int]:
     """Pin ``module``'s chunks on the compute device, as its own backward does (waiting for the
     last step's updates of them first); returns the chunks, for ``unpin``."""
     chunks = list(hooks.module_chunks.get(module, ()))
-    for c in chunks:
-        hooks.updates.wait(c)
-    for c in chunks:
-        if hooks.gather is not None and not hooks.pins.pinned(c):
-            hooks.gather.ensure(c)
-        hooks.pins.pin(c)
+    hooks.pin_updated(chunks)
     return chunks
 
 
