@@ -119,7 +119,7 @@ def plan(model: Union[str, LlamaConfig], hardware: Hardware, policy: Policy = Po
         "chunk_size": chunk, "num_chunks": num_chunks, "padding_elements": chunks.all_elems - n,
         "trainable_params": n_trained, "trainable_chunks": sum(chunk_trainable),
         "largest_chunk": chunks.largest, "oversized_chunks": sum(size > chunk for size in sizes),
-        "device_min_bytes": mem.device_min, "cpu_min_bytes": mem.cpu_min,
+        "device_min_bytes": mem.device_min, "cpu_min_bytes": mem.cpu_min, "cpu_transit_bytes": mem.cpu_transit,
         "params_resident_on_device": mem.resident, "layer_params": layer_params,
         "state_bytes": mem.state_bytes, "state_bytes_per_param": sum(mem.per_elem.values()),
         "optimizer_state": po.optimizer_state, "master": po.master, "bytes_per_elem": dict(mem.per_elem),
