@@ -173,10 +173,11 @@ def test_n_ranks_train_like_one_process_each_keeping_a_piece_of_every_chunk(tmp_
 def test_a_model_in_fewer_chunks_than_ranks_gives_each_rank_a_third_of_its_one_chunk(tmp_path):
     """Round-robin left ranks 1 and 2 nothing to keep or update; sliced, TinyGPT in one chunk is
     a third on each of three ranks (and a third of one process's NVMe slots). Three tiers: the
-    device tier holds whole 216 KiB chunks, the CPU tier the least it may, one piece's update,
-    which is all of a rank's state here: NVMe holds its slots but need not be used."""
+    device tier holds whole 216 KiB chunks, the CPU tier the least it may, one piece's update
+    (288 KiB: all of a rank's state here) beside a piece on its way up (72 KiB): NVMe holds its slots
+    but need not be used."""
     want = Reference(6, batch=6)
-    cfg = config(tmp_path, chunk_size=65536, device_budget="3MiB", cpu_budget="320KiB", merge_host_tiers=False)
+    cfg = config(tmp_path, chunk_size=65536, device_budget="3MiB", cpu_budget="360KiB", merge_host_tiers=False)
     single = one_process(tmp_path, cfg)
     assert len(single["sizes"]) == 1
     out = run(tmp_path, 3, 6, batch=6, config=cfg)
