@@ -91,9 +91,13 @@ def _pinned_post_hook(hooks, hook, held: list):
     return run
 
 
-def _hold(hooks, held: list):
+def _hold(hooks, held: list, key: int | None = None):
+    """A backward pre-hook pinning for a full backward hook; ``key``: that hook's id in
+    ``_backward_hooks`` when it was registered before wrap, whose handle removes it alone: once
+    it is gone this pins nothing (a pin no hook lets go stayed until backward ended)."""
     def hold(module, grad_output):
-        held.append(pin(hooks, module))
+        if key is None or key in module._backward_hooks:
+            held.append(pin(hooks, module))
     return hold
 
 
@@ -124,7 +128,7 @@ def guard_registered(hooks, module: nn.Module) -> None:
     """Wrap the full backward hooks ``module`` had before ``offload.wrap`` as ``guard`` wraps new ones.
     torch keeps them in ``_backward_pre_hooks`` / ``_backward_hooks`` (no public API lists them):
     each is replaced in place, under its own handle's id, so the user's handle still removes it
-    (a post-hook's pin-taking pre-hook then stays, its pin let go at the end of backward)."""
+    (a post-hook's pin-taking pre-hook then stays, pinning nothing once the post-hook is gone)."""
     for key, hook in list(module._backward_pre_hooks.items()):
         module._backward_pre_hooks[key] = _pinned(hooks, hook)
     if not getattr(module, "_is_full_backward_hook", None):
@@ -132,4 +136,4 @@ def guard_registered(hooks, module: nn.Module) -> None:
     for key, hook in list(module._backward_hooks.items()):
         held: list = []
         module._backward_hooks[key] = _pinned_post_hook(hooks, hook, held)
-        type(module).register_full_backward_pre_hook(module, _hold(hooks, held), prepend=True)
+        type(module).register_full_backward_pre_hook(module, _hold(hooks, held, key), prepend=True)

@@ -351,3 +351,26 @@ def test_full_backward_hooks_read_the_weights_the_forward_used(disk_tmp):
             opt.step()
             opt.zero_grad()
     assert [k for k, _, _ in seen["wrapped"]] == [k for k, _, _ in seen["ref"]] and seen["ref"]
+
+
+def test_a_backward_hook_registered_before_wrap_and_removed_after_pins_nothing(disk_tmp):
+    """Removing (by its handle) a full backward hook registered before wrap removes its pin too: a
+    later backward holds the module's chunks exactly as a model that never had the hook does (the
+    pin-taking pre-hook wrap added stayed, pinned the chunks until backward ended, and kept one
+    entry per backward for good)."""
+    pinned_at_layer0 = {}
+    for name in ("never hooked", "hooked then removed"):
+        plain = f8.make_model()
+        handle = plain[2].register_full_backward_hook(lambda *a: None) if name != "never hooked" else None
+        model = wrapped(disk_tmp / name.replace(" ", "_"), model=plain)
+        if handle is not None:
+            handle.remove()
+        engine = offload.engine.access.engine_of(model[2].weight)
+        chunks = engine.hooks.module_chunks[model[2]]
+        counts = pinned_at_layer0.setdefault(name, [])
+        # by layer 0's backward, layer 2's backward and its weight's gradient are done
+        model[0].register_full_backward_pre_hook(
+            lambda mod, go: counts.append([engine.hooks.pins.count(c) for c in chunks]))
+        opt = offload.AdamW(model.parameters(), lr=f8.LR)
+        f8.train(model, opt, 2)
+    assert pinned_at_layer0["hooked then removed"] == pinned_at_layer0["never hooked"] == [[0], [0]]
