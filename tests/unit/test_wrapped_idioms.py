@@ -18,7 +18,7 @@ import offload
 from offload.engine.params import DTYPES
 from offload.errors import ConfigError, UnsupportedError
 from tests.helpers import features8 as f8
-from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin
+from tests.helpers.trajectory import assert_losses_within_drift, assert_within_drift, float64_twin, train_in_lockstep
 
 
 def wrapped(path, dtype="fp32", model=None):
@@ -134,6 +134,14 @@ def test_user_hooks_see_real_weights_and_gradients(disk_tmp):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), kind
 
 
+def loss_in_dtype(exact):
+    """``train_in_lockstep``'s loss: each batch in the model's own precision (float64 for ``exact``)."""
+    def loss(m, batch):
+        cast = torch.float64 if m is exact else torch.float32
+        return f8.loss_of(m, *(t.to(cast) for t in batch))
+    return loss
+
+
 def test_a_gradient_hook_that_scales_is_honoured(disk_tmp):
     """``p.register_hook`` returning a new gradient: the engine accumulates that one, as torch does."""
     ref, model = f8.make_model(), wrapped(disk_tmp)
@@ -144,15 +152,7 @@ def test_a_gradient_hook_that_scales_is_honoured(disk_tmp):
     runs = [(exact, torch.optim.AdamW(exact.parameters(), lr=f8.LR)),
             (ref, torch.optim.AdamW(ref.parameters(), lr=f8.LR)),
             (model, offload.AdamW(model.parameters(), lr=f8.LR))]
-    losses = [[], [], []]
-    for x, y in f8.batches(3):
-        for (m, opt), out in zip(runs, losses):
-            cast = torch.float64 if m is exact else torch.float32
-            loss = f8.loss_of(m, x.to(cast), y.to(cast))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
+    losses = train_in_lockstep(runs, f8.batches(3), loss_in_dtype(exact))
     assert_losses_within_drift(losses[2], losses[1], losses[0])
     assert_within_drift(model.state_dict(), ref.state_dict(), exact.state_dict())
 
@@ -171,14 +171,8 @@ def test_inference_between_training_steps_then_training_goes_on(disk_tmp, mode):
     context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
 
     def train(steps):
-        for x, y in steps:
-            for (m, opt), out in zip(runs, losses):
-                cast = torch.float64 if m is exact else torch.float32
-                loss = f8.loss_of(m, x.to(cast), y.to(cast))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                out.append(loss.item())
+        for out, more in zip(losses, train_in_lockstep(runs, steps, loss_in_dtype(exact))):
+            out += more
 
     train(batches[:2])
     for m, _ in runs:
