@@ -36,6 +36,16 @@ def weights(model) -> list[torch.Tensor]:
     return [t.clone() for t in model.state_dict().values()]
 
 
+def frozen_encoder_under_a_head():
+    """A wrapped encoder frozen after wrap, a plain head, and one torch AdamW given both (torch skips
+    parameters without gradients): ``(encoder, head, optimizer)``."""
+    encoder = wrapped()
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+    head = nn.Linear(64, 64)
+    return encoder, head, torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
+
+
 @pytest.mark.parametrize("optimizer", [
     lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
@@ -67,12 +77,8 @@ def test_optimizers_that_meet_a_wrapped_model_legitimately_step():
     """A plain head under its own torch optimizer beside a frozen offloaded encoder that the same
     optimizer was also given (torch skips parameters without gradients); offload.AdamW inside
     a wrapper optimizer; a parameter group added later is checked too."""
-    encoder = wrapped()
+    encoder, head, opt = frozen_encoder_under_a_head()
     try:
-        for p in encoder.parameters():
-            p.requires_grad_(False)
-        head = nn.Linear(64, 64)
-        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
         before = head.weight.detach().clone()
         for x, y in batches(2):
             loss_of(head, encoder(x), y).backward()
@@ -154,12 +160,8 @@ def test_offload_adamw_built_before_wrap_trains_as_one_built_after():
 def test_thawing_wrapped_parameters_while_freezing_as_many_plain_ones_is_refused():
     """Staged training that swaps which part trains (the head frozen, as many wrapped parameters
     thawed): the groups hold as many trainable parameters as before, yet now wrapped ones."""
-    encoder = wrapped()
+    encoder, head, opt = frozen_encoder_under_a_head()
     try:
-        for p in encoder.parameters():
-            p.requires_grad_(False)
-        head = nn.Linear(64, 64)
-        opt = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
         x, y = batches(1)[0]
         loss_of(head, encoder(x), y).backward()
         opt.step()
