@@ -130,12 +130,12 @@ def _check_precision(config: OffloadConfig, state: str | None, master: str | Non
                                            f"OffloadConfig({field}={given!r}) to train with {given} {name}")
 
 
-def _refuse_thawed(params) -> None:
+def _refuse_thawed(owned) -> None:
     """A wrapped parameter that requires a gradient now but was frozen when its model was wrapped:
-    its chunk was laid out without gradient, master or moments, so it would never be updated."""
-    for p in params:
-        e = engine_of(p) if p.requires_grad else None
-        info = e.chunks.param(p) if e is not None else None
+    its chunk was laid out without gradient, master or moments, so it would never be updated.
+    ``owned``: ``(parameter, its engine or None)`` pairs."""
+    for p, e in owned:
+        info = e.chunks.param(p) if e is not None and p.requires_grad else None
         if info is not None and not e.chunks.layout.trainable[info.slot.chunk]:
             raise ConfigError(info.slot.name, "requires_grad=True",
                               "was frozen (requires_grad=False) when the model was wrapped, so its chunk holds "
@@ -207,7 +207,7 @@ class AdamW(CPUAdamW):
         params = param_group["params"]
         if not isinstance(params, set):     # torch refuses sets (unordered) itself
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            _refuse_thawed(params)
+            _refuse_thawed((p, engine_of(p)) for p in params)
             param_group["params"] = params      # the caller's dict itself, as torch keeps it
         super().add_param_group(param_group)
         if hasattr(self, "_engines"):       # torch's __init__ adds the first groups before ours runs
@@ -224,10 +224,11 @@ class AdamW(CPUAdamW):
 
     def _before_step(self) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
-        _refuse_thawed(params)
+        owners = list(map(engine_of, params))       # one look-up a parameter for both checks
+        _refuse_thawed(zip(params, owners))
         # Built before offload.wrap (accelerate-style: optimizer, then prepare): the engines came
         # after __init__ attached none, and each would leave its parameters unchanged, silently.
-        if any(e is not None and e not in self._engines for e in map(engine_of, params)):
+        if any(e is not None and e not in self._engines for e in owners):
             self._attach_engines()
         try:
             for e in self._engines:
