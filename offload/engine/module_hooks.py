@@ -149,14 +149,14 @@ class ModuleHooks:
                 self.gather.ensure(c)
             self.pins.pin(c)
 
-    def _unpin(self, c: int) -> None:
+    def unpin(self, c: int) -> None:
         if self.pins.unpin(c):
             self.ready.unpinned(c)
 
     def _unpin_all(self) -> None:
         for c in self.pins.pinned_chunks():
             while self.pins.pinned(c):
-                self._unpin(c)
+                self.unpin(c)
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
@@ -239,7 +239,7 @@ class ModuleHooks:
         if module in self.active:
             self.active.remove(module)
         for c in chunks:
-            self._unpin(c)
+            self.unpin(c)
         if module in self.discovering:
             self._finish_discovery(module)
         if module is self.model:
@@ -258,7 +258,7 @@ class ModuleHooks:
         self.saved.exit()
         for _, chunks, _ in self.fwd_pinned:
             for c in chunks:
-                self._unpin(c)
+                self.unpin(c)
         self.active.clear()
         self.fwd_pinned.clear()
         self.called.clear()
@@ -314,7 +314,7 @@ class ModuleHooks:
         if self.bwd_pins.get(module, 0) > 0:
             self.bwd_pins[module] -= 1
             for c in self.module_chunks[module]:
-                self._unpin(c)
+                self.unpin(c)
 
     def _release_backward_pins(self, module: nn.Module) -> None:
         started = self.bwd_started.pop(module, None)
@@ -325,7 +325,7 @@ class ModuleHooks:
             self.timeline.stop(("backward", module), f"backward {type(module).__name__}")
         for _ in range(self.bwd_pins.pop(module, 0)):
             for c in self.module_chunks[module]:
-                self._unpin(c)
+                self.unpin(c)
         self.bwd_remaining.pop(module, None)
 
     def _end_backward(self) -> None:

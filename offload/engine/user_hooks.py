@@ -63,8 +63,8 @@ pin_outside_inference = outside_inference_mode(pin)
 
 def unpin(hooks, chunks: list[int]) -> None:
     for c in chunks:
-        if hooks.pins.pinned(c) and hooks.pins.unpin(c):
-            hooks.ready.unpinned(c)         # its update waited for this last pin: it may go now
+        if hooks.pins.pinned(c):            # end of backward may have let it go already
+            hooks.unpin(c)
 
 
 def _pinned(hooks, hook):
